@@ -1,0 +1,20 @@
+"""batchlm's engine: the vLLM-compatible `LLM` API and the engine core behind it."""
+
+from .errors import InvalidParamError, InvalidPromptError, ModelNotFoundError
+from .inputs import TextPrompt, TokensPrompt
+from .llm import LLM
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "InvalidParamError",
+    "InvalidPromptError",
+    "ModelNotFoundError",
+]

@@ -1,0 +1,134 @@
+"""Engine configuration: frozen dataclasses built once from `LLM(...)` keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidParamError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model runs and at which precision / length."""
+
+    model: str
+    """What the user passed as `model=`: a local folder, a .gguf file or a hub-style name."""
+    path: str
+    """The resolved local Hugging Face-style folder the weights and config are read from."""
+    tokenizer_path: str
+    """Folder of the tokenizer files (the model folder unless `tokenizer=` was given)."""
+    hf_config: Any = field(repr=False, compare=False)
+    """The transformers `PretrainedConfig` of the model."""
+    dtype: torch.dtype
+    """Weights and activations dtype. `auto` picks the checkpoint's dtype on CUDA and float32
+    on CPU (half-precision matmuls are slow on most CPUs)."""
+    max_model_len: int
+    """Most tokens (prompt + output) one sequence may hold; defaults to the model's
+    `max_position_embeddings`."""
+    seed: int
+    """Seed of the engine's generator for requests without their own seed."""
+    trust_remote_code: bool = False
+    """Never used to run downloaded code (nothing is downloaded); kept for vLLM parity."""
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block; 16 balances fragmentation against block-table length."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA: fraction of the device memory the engine may use (weights, activations and
+    KV cache together); the KV cache gets what is left after a profiling forward."""
+    kv_cache_memory_bytes: int | None = None
+    """Explicit KV cache size in bytes (overrides gpu_memory_utilization). On CPU the default
+    is 2 GiB, capped to what max_num_seqs full-length sequences can use."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (tests and debugging)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    cache_dtype: torch.dtype | None = None
+    """dtype of the KV cache; None follows the model dtype."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 8192
+    """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: torch.device
+    """`cuda` when available, else `cpu`; `device=` overrides."""
+    attention_backend: str
+    """`torch` (the reference, any device) or `triton` (CUDA)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):
+    """Turn `dtype=` into a torch dtype (see ModelConfig.dtype for what `auto` means)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InvalidParamError(f"dtype={dtype} is not supported; use float32, float16 or bfloat16")
+        return dtype
+    if not isinstance(dtype, str):
+        raise InvalidParamError(f"dtype={dtype!r} must be a string such as 'auto' or 'bfloat16'")
+    key = dtype.lower()
+    if key == "auto":
+        if device.type == "cpu" or config_dtype is None or config_dtype not in _DTYPES.values():
+            return torch.float32
+        return config_dtype
+    if key not in _DTYPES:
+        raise InvalidParamError(
+            f"dtype={dtype!r} is not supported; use one of 'auto', {', '.join(map(repr, _DTYPES))}"
+        )
+    return _DTYPES[key]
+
+
+def config_torch_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a checkpoint's config declares, if any."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        return _DTYPES.get(value.lower())
+    return None

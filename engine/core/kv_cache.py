@@ -1,0 +1,246 @@
+"""KV cache manager: a pool of fixed-size blocks with ref counts and prefix caching.
+
+It hands out block ids and never touches device memory. Every full block (block_size
+tokens) of a request gets a chained hash `hash((parent_hash, tokens))`; with prefix caching
+on, a block whose hash is already known is shared instead of recomputed. Blocks whose ref
+count drops to zero keep their hash and sit in an LRU free queue: they are reused by a later
+request with the same prefix, or evicted (hash forgotten) when a fresh block is needed,
+least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .request import Request
+
+_ROOT_HASH = 0x6261746368
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: equal only when the whole prefix is equal."""
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    """Set once the block is full and cached; None for a block still being filled."""
+
+
+class BlockPool:
+    """Owns every block, the free queue (LRU order) and the hash → cached block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Front = evicted first. Values unused; OrderedDict gives O(1) removal from the middle.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` fresh blocks from the front of the free queue, evicting their hashes."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cached blocks (hits), pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference from each block; blocks that reach zero join the queue's tail
+        in the order given (pass tail blocks first so that they are evicted first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = None
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # The first block computed for a hash stays canonical; a duplicate computed in the same
+        # step is just never shared.
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; only possible when no block is in use."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+
+@dataclass
+class ComputedBlocks:
+    """Prefix-cache hit for a new request: the shared blocks and the tokens they hold."""
+
+    blocks: list[KVBlock]
+    num_computed_tokens: int
+
+
+class KVCacheManager:
+    """Maps requests to block tables.
+
+    Args:
+        num_blocks: Blocks in the pool (sized by the model runner from the memory budget).
+        block_size: Tokens per block.
+        enable_prefix_caching: Share full blocks of identical prefixes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: read, don't modify)."""
+        return self.req_block_ids.get(request_id, [])
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[start : start + bs]))
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute, so that the step produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return ComputedBlocks([], 0)
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        Args:
+            request: The request; `request.num_computed_tokens` tokens already have KV.
+            num_new_tokens: Tokens to compute in this step.
+            computed: Prefix-cache hit for a request scheduled for the first time.
+
+        Returns:
+            The ids of newly allocated blocks, or None (and no change) when the pool cannot
+            provide them.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+            self.req_block_ids[rid] = []
+            self.num_cached_blocks[rid] = 0
+        hit_blocks = computed.blocks if computed else []
+        num_computed = request.num_computed_tokens + (computed.num_computed_tokens if computed else 0)
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed - len(blocks) - len(hit_blocks)
+        # Hit blocks sitting in the free queue stop being available once touched.
+        num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                self._forget(rid)
+            return None
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            blocks.extend(hit_blocks)
+            self.req_block_ids[rid].extend(b.block_id for b in hit_blocks)
+            self.num_cached_blocks[rid] = len(blocks)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        new_ids = [b.block_id for b in new_blocks]
+        self.req_block_ids[rid].extend(new_ids)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_ids
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are written."""
+        rid = request.request_id
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks[rid]
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_blocks[rid]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so its last blocks are evicted first."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        self.pool.free(list(reversed(blocks)))
+        self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.req_blocks.pop(request_id, None)
+        self.req_block_ids.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,83 @@
+"""A request's state as the scheduler sees it: token ids, progress, status. No tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason string for a finished status."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the tokens `[num_computed_tokens,
+    num_tokens)` still need their KV computed; when the two are equal after a step, the
+    step's logits at the last token produce the next output token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_index: int
+    """Order of arrival; the scheduler serves waiting requests first come, first served."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        """Prompt tokens served from the prefix cache at first scheduling (-1: not yet)."""
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []
+        """Chained hash of each full block of `all_token_ids`, filled by the KV cache manager."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,255 @@
+"""Continuous-batching scheduler with a per-step token budget (no prefill/decode phases).
+
+Each step hands out `max_num_batched_tokens` to running requests first (oldest first), then
+to waiting ones (first come, first served). A request's `num_computed_tokens` catches up to
+its token count; a prompt longer than the remaining budget is chunked across steps. When
+the KV cache cannot grow a running request, the newest running request is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+(prefix caching usually makes that cheap). Pure Python: no tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from ..sampling_params import SamplingParams
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]
+    """Tokens whose KV is computed this step (a prompt chunk, or the last sampled token)."""
+    start_pos: int
+    """Position of `token_ids[0]` (= tokens already computed before this step)."""
+    block_ids: list[int]
+    """The request's whole block table."""
+    needs_sample: bool
+    """True when this step reaches the request's last token, so its logits give a new token."""
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+    """Tokens generated so far (the live list; read-only for the runner, used by penalties)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner executes in one step."""
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests finished since the last step: the runner drops their state."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """Decides which tokens of which requests run each step.
+
+    Args:
+        config: Token and sequence budgets.
+        kv_cache: The block manager, sized by the model runner.
+        max_model_len: Longest sequence (prompt + output) a request may reach.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (stop strings, aborts)."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to do until a token is appended
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; nobody after it can run either
+
+        # Waiting requests only when nothing was preempted this step, so a preempted request
+        # is not immediately rescheduled ahead of the running ones it yielded to.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_computed_tokens
+            request.num_computed_tokens = computed.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        finished = self.finished_request_ids
+        self.finished_request_ids = set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            needs_sample=request.num_computed_tokens == request.num_tokens,
+            sampling_params=request.sampling_params,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Append sampled tokens and finish requests that hit a stop condition.
+
+        Args:
+            scheduler_output: The step that ran.
+            sampled: Request id → the token sampled for it (only requests with needs_sample).
+
+        Returns:
+            The requests that got a new token this step (finished ones included), in
+            scheduling order.
+        """
+        updated = []
+        for sched in scheduler_output.scheduled:
+            token_id = sampled.get(sched.request_id)
+            if token_id is None:
+                continue
+            request = self.requests.get(sched.request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+        )

@@ -1,0 +1,44 @@
+"""Every environment variable batchlm reads, typed, in one place.
+
+Read through the accessors below (never `os.environ` elsewhere) so that a reader finds
+every knob by grepping this file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """BATCHLM_CACHE_DIR: where converted weights (GGUF → safetensors) are kept.
+
+    Defaults to `$XDG_CACHE_HOME/batchlm` or `~/.cache/batchlm`.
+    """
+    explicit = os.environ.get("BATCHLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "batchlm"
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache that hub-style names are resolved from.
+
+    Follows Hugging Face's own variables: HF_HUB_CACHE, then HF_HOME/hub, then
+    ~/.cache/huggingface/hub. Only read; batchlm never downloads into it.
+    """
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    hf_home = os.environ.get("HF_HOME")
+    if hf_home:
+        return Path(hf_home).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def attention_backend() -> str | None:
+    """BATCHLM_ATTENTION_BACKEND: force `torch` or `triton` attention (default: by device)."""
+    value = os.environ.get("BATCHLM_ATTENTION_BACKEND")
+    return value.strip().lower() if value else None

@@ -1,0 +1,19 @@
+"""Exceptions raised to users. Each message names the bad value and the fix."""
+
+from __future__ import annotations
+
+
+class InvalidParamError(ValueError):
+    """A sampling / pooling parameter or engine option is out of range or of the wrong type."""
+
+
+class InvalidPromptError(ValueError):
+    """A prompt cannot be served (empty, too long, ids outside the vocabulary, wrong type)."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A `model=` value resolves to no local folder, GGUF file, cache entry or package."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or format is not one batchlm can run."""

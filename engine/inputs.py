@@ -1,0 +1,72 @@
+"""Prompt types accepted by `LLM.generate` and their normalisation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypedDict, Union
+
+from typing_extensions import NotRequired
+
+from .errors import InvalidPromptError
+
+
+class TextPrompt(TypedDict):
+    """A prompt given as text; it is tokenized with the model's tokenizer."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt given as token ids (not tokenized again)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+PromptType = Union[str, TextPrompt, TokensPrompt]
+
+
+def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[str, Any]]:
+    """One dict per prompt with either `prompt` or `prompt_token_ids`.
+
+    Raises:
+        InvalidPromptError: naming the index of a prompt of the wrong type.
+    """
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidPromptError(
+            f"prompts must be a string, a TextPrompt / TokensPrompt dict, or a list of them; "
+            f"got {type(prompts).__name__}"
+        )
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append({"prompt": p})
+        elif isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise InvalidPromptError(
+                        f"prompts[{i}]['prompt_token_ids'] must be a list of ints"
+                    )
+                out.append({"prompt_token_ids": list(ids), "prompt": p.get("prompt")})
+            elif "prompt" in p:
+                if not isinstance(p["prompt"], str):
+                    raise InvalidPromptError(
+                        f"prompts[{i}]['prompt']={p['prompt']!r} must be a string"
+                    )
+                out.append({"prompt": p["prompt"]})
+            else:
+                raise InvalidPromptError(
+                    f"prompts[{i}] has keys {sorted(p)}; a prompt dict needs 'prompt' (text) "
+                    "or 'prompt_token_ids'"
+                )
+        else:
+            raise InvalidPromptError(
+                f"prompts[{i}] is a {type(p).__name__}; pass a string, "
+                "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
+            )
+    return out

@@ -1,0 +1,129 @@
+"""Builds a model and fills it from a folder of safetensors files.
+
+Checkpoint quirks live here, not in the models: projections that the model merges
+(`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the merged weight,
+tied LM heads are skipped, and rotary buffers that some checkpoints carry are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..models.layers.linear import MergedLinear
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's shards, via the index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(
+            f"no *.safetensors files in {folder}; batchlm reads safetensors checkpoints or "
+            "GGUF files (convert .bin checkpoints with transformers' save_pretrained)"
+        )
+    return files
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard, read lazily."""
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # corrupt or truncated files surface here
+            if isinstance(e, UnsupportedModelError):
+                raise
+            raise UnsupportedModelError(f"cannot read checkpoint file {path}: {e}") from e
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    packed_modules: dict[str, list[str]],
+) -> None:
+    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        target, shard = name, None
+        if module_name in shard_of:
+            merged, shard = shard_of[module_name]
+            module_path = f"{parent}.{merged}" if parent else merged
+            target = f"{module_path}.{leaf}"
+        param = params.get(target)
+        if param is None:
+            raise UnsupportedModelError(
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
+                "the checkpoint does not match its config.json architecture"
+            )
+        if shard is None:
+            dest = param.data
+        else:
+            module = modules[module_path]
+            assert isinstance(module, MergedLinear)
+            dest = param.data[module.shard_slice(shard)]
+        if dest.shape != tensor.shape:
+            raise UnsupportedModelError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(dest.shape)}; config.json and weights disagree"
+            )
+        dest.copy_(tensor)
+        filled.add(target if shard is None else f"{target}#{shard}")
+    missing = []
+    for pname, param in params.items():
+        module_path, _, leaf = pname.rpartition(".")
+        module = modules.get(module_path)
+        if isinstance(module, MergedLinear) and leaf in ("weight", "bias"):
+            for i in range(len(module.output_sizes)):
+                if f"{pname}#{i}" not in filled:
+                    missing.append(f"{pname}[shard {i}]")
+        elif pname not in filled:
+            missing.append(pname)
+    if missing:
+        raise UnsupportedModelError(
+            f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}; "
+            "the files are incomplete or belong to another architecture"
+        )
+
+
+def build_model(
+    model_cls: type[nn.Module],
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    **kwargs,
+) -> nn.Module:
+    """Instantiate without initialising memory, then load the checkpoint into it."""
+    with torch.device("meta"):
+        model = model_cls(**kwargs)
+    model = model.to_empty(device=device).to(dtype)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):  # materialising from meta may have untied shared parameters
+        tie()
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    with torch.no_grad():
+        load_weights(model, iter_checkpoint(folder), getattr(model_cls, "packed_modules", {}))
+    return model.eval()

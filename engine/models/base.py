@@ -1,0 +1,39 @@
+"""What every generative model offers the model runner."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..attention.backend import AttentionMetadata
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model over the paged KV cache.
+
+    `packed_modules` maps a merged parameter's module name to the checkpoint module names it
+    concatenates, in order (the loader fills the slices).
+    """
+
+    packed_modules: ClassVar[dict[str, list[str]]] = {}
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """Run the decoder over a flattened batch, writing this step's KV into the cache."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[num_rows, hidden_size]` → `[num_rows, vocab_size]` float32 logits."""
+
+    @abstractmethod
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """`(num_layers, num_kv_heads, head_dim)` of the cache this model needs."""

@@ -1,0 +1,51 @@
+"""The attention layer: heads, scale and window around the chosen backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged causal self-attention for one layer (no weights: projections live in the model).
+
+    Args:
+        num_heads: Query heads.
+        num_kv_heads: Key / value heads (GQA when fewer than num_heads).
+        head_dim: Channels per head.
+        scale: Softmax scale, usually head_dim ** -0.5.
+        backend: Computes attention and writes the cache.
+        sliding_window: Keys further back than this many positions are not attended.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        out = self.backend.forward(
+            query, key, value, kv_cache, metadata, self.scale, self.sliding_window
+        )
+        return out.reshape(out.shape[0], -1)

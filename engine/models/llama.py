@@ -1,0 +1,198 @@
+"""Llama-family decoders: Llama 2/3, Mistral (and the Qwen families, which subclass it).
+
+Differences between families are declared as class attributes (`qkv_bias`, `o_bias`,
+`qk_norm`), never decided from checkpoint contents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.backend import AttentionBackend, AttentionMetadata
+from .base import CausalLM
+from .layers.activation import SiluAndMul
+from .layers.attention import Attention
+from .layers.linear import MergedLinear
+from .layers.norm import RMSNorm
+from .layers.rotary import RotaryEmbedding, rope_spec_from_config
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.rotary = rotary
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            backend,
+            sliding_window,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, bias: bool = False) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, self_attn: LlamaAttention, mlp: LlamaMLP, config: Any) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, layers: list[LlamaDecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral decoder with an LM head (tied to the embedding when the config says so).
+
+    Args:
+        config: The Hugging Face config.
+        backend: Attention backend shared by all layers.
+        max_position: Longest sequence the engine will run (rotary table size).
+    """
+
+    packed_modules = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        head_dim = head_dim_of(config)
+        rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        layers = []
+        for i in range(config.num_hidden_layers):
+            attn = LlamaAttention(
+                config,
+                rotary,
+                backend,
+                qkv_bias=self.qkv_bias or attention_bias,
+                o_bias=attention_bias,
+                qk_norm=self.qk_norm,
+                sliding_window=self.sliding_window_of(config, i),
+            )
+            layers.append(LlamaDecoderLayer(attn, LlamaMLP(config, mlp_bias), config))
+        self.model = LlamaModel(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+        """Window of layer `layer_idx`, or None for full attention."""
+        return getattr(config, "sliding_window", None) or None
+
+    def forward(self, input_ids, positions, kv_caches, metadata):
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return c.num_hidden_layers, kv_heads, head_dim_of(c)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layers with an optional sliding window on every layer."""

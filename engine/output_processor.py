@@ -1,0 +1,105 @@
+"""Per-request output state: detokenized text, stop strings, logprobs, final RequestOutput."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.request import Request, RequestStatus
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .tokenizer import IncrementalDetokenizer
+from .worker.model_runner import TokenLogprobs
+
+
+class RequestState:
+    """What the host keeps for one request until it finishes."""
+
+    def __init__(self, request: Request, prompt: str | None, tokenizer: Any) -> None:
+        self.request = request
+        self.prompt = prompt
+        params = request.sampling_params
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
+            if tokenizer is not None
+            else None
+        )
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.tokenizer = tokenizer
+
+
+class OutputProcessor:
+    """Turns each step's new tokens into text and finished `RequestOutput`s."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        self.states[request.request_id] = RequestState(request, prompt, self.tokenizer)
+
+    def process(
+        self, updated: list[Request], logprobs: dict[str, TokenLogprobs]
+    ) -> tuple[list[str], list[str]]:
+        """Consume the step's new tokens.
+
+        Returns:
+            The ids of requests that are finished (build their outputs with `finish` once the
+            scheduler has released them), and, among them, those that a stop string ended
+            and that the scheduler does not know are finished yet.
+        """
+        finished: list[str] = []
+        stopped_by_string: list[str] = []
+        for request in updated:
+            rid = request.request_id
+            state = self.states[rid]
+            token_id = request.output_token_ids[-1]
+            params = request.sampling_params
+            entry = logprobs.get(rid)
+            if state.logprobs is not None and entry is not None:
+                state.logprobs.append(self._logprob_dict(token_id, entry))
+                state.cumulative_logprob += entry.logprob
+            stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+            if state.detokenizer is not None:
+                skip = stopped_by_token and not params.include_stop_str_in_output
+                stop = state.detokenizer.add_token(token_id, skip_text=skip)
+                if stop is not None:
+                    request.stop_reason = stop
+                    if not request.status.is_finished:
+                        stopped_by_string.append(rid)
+                    else:
+                        request.status = RequestStatus.FINISHED_STOPPED
+            if request.status.is_finished or rid in stopped_by_string:
+                finished.append(rid)
+        return finished, stopped_by_string
+
+    def _logprob_dict(self, token_id: int, entry: TokenLogprobs) -> dict[int, Logprob]:
+        ids = [token_id, *entry.top_ids]
+        values = [entry.logprob, *entry.top_logprobs]
+        ranks = [entry.rank, *range(1, len(entry.top_ids) + 1)]
+        out: dict[int, Logprob] = {}
+        for tid, value, rank in zip(ids, values, ranks, strict=True):
+            if tid not in out:
+                decoded = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+                out[tid] = Logprob(value, rank, decoded)
+        return out
+
+    def finish(self, request_id: str) -> RequestOutput:
+        state = self.states.pop(request_id)
+        request = state.request
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.text if state.detokenizer is not None else "",
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )

@@ -1,0 +1,89 @@
+"""Tokenizer loading, incremental detokenization and stop-string matching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+# Prompt tokens kept as decoding context so the first output token gets its leading space.
+_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """A transformers tokenizer from a local folder (never from the network)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code, local_files_only=True
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, a piece at a time.
+
+    Each step decodes only a short window: the tokens since the last emitted piece plus a
+    few before them, and emits the difference; a piece ending in an incomplete UTF-8
+    sequence (U+FFFD) is held back until the next token completes it. Stop strings are
+    searched only in the region the new piece can affect.
+
+    Args:
+        tokenizer: A transformers tokenizer.
+        prompt_token_ids: The prompt (its last tokens give decoding context).
+        params: Detokenization options and stop strings.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self.ids: list[int] = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+        self.max_stop_len = max((len(s) for s in params.stop_strs), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def add_token(self, token_id: int, skip_text: bool = False) -> str | None:
+        """Append one token; returns the stop string it completed, or None.
+
+        Args:
+            token_id: The new output token.
+            skip_text: Do not add this token's text (a stop token that is not to be shown).
+        """
+        if not self.params.detokenize or skip_text:
+            return None
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return None
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return self._check_stop(len(delta))
+
+    def _check_stop(self, delta_len: int) -> str | None:
+        if not self.max_stop_len:
+            return None
+        start = max(0, len(self.text) - delta_len - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop_strs:
+            idx = self.text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+        self.text = self.text[:end]
+        return stop
