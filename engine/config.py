@@ -108,7 +108,9 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
     """Turn `dtype=` into a torch dtype (see ModelConfig.dtype for what `auto` means)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise InvalidParamError(f"dtype={dtype} is not supported; use float32, float16 or bfloat16")
+            raise InvalidParamError(
+                f"dtype={dtype} is not supported; use float32, float16 or bfloat16"
+            )
         return dtype
     if not isinstance(dtype, str):
         raise InvalidParamError(f"dtype={dtype!r} must be a string such as 'auto' or 'bfloat16'")

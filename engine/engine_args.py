@@ -127,7 +127,9 @@ class EngineArgs:
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
-            raise InvalidParamError(f"device={self.device!r} is not a device; use 'cpu' or 'cuda'") from e
+            raise InvalidParamError(
+                f"device={self.device!r} is not a device; use 'cpu' or 'cuda'"
+            ) from e
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidParamError(f"device={self.device!r} but CUDA is not available; use 'cpu'")
         if device.type not in ("cpu", "cuda"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict, Union
+from typing import Any, TypedDict
 
 from typing_extensions import NotRequired
 
@@ -23,7 +23,7 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt]
+PromptType = str | TextPrompt | TokensPrompt
 
 
 def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[str, Any]]:

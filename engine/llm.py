@@ -91,7 +91,9 @@ class LLM:
         return list(sampling_params)
 
     def _tokenize(self, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:
-        texts = [(i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p]
+        texts = [
+            (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
+        ]
         out: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
         if texts:
             encoded = self.llm_engine.tokenizer([t for _, t in texts])["input_ids"]
@@ -102,7 +104,9 @@ class LLM:
     def _validate_request(self, index: int, ids: list[int], params: SamplingParams) -> None:
         config = self.llm_engine.config
         if not ids:
-            raise InvalidPromptError(f"prompts[{index}] is empty; a prompt needs at least one token")
+            raise InvalidPromptError(
+                f"prompts[{index}] is empty; a prompt needs at least one token"
+            )
         max_len = config.model.max_model_len
         if len(ids) > max_len:
             raise InvalidPromptError(

@@ -194,7 +194,9 @@ class KVCacheManager:
             self.req_block_ids[rid] = []
             self.num_cached_blocks[rid] = 0
         hit_blocks = computed.blocks if computed else []
-        num_computed = request.num_computed_tokens + (computed.num_computed_tokens if computed else 0)
+        num_computed = request.num_computed_tokens + (
+            computed.num_computed_tokens if computed else 0
+        )
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(blocks) - len(hit_blocks)
         # Hit blocks sitting in the free queue stop being available once touched.

@@ -90,7 +90,7 @@ def load_weights(
         dest.copy_(tensor)
         filled.add(target if shard is None else f"{target}#{shard}")
     missing = []
-    for pname, param in params.items():
+    for pname in params:
         module_path, _, leaf = pname.rpartition(".")
         module = modules.get(module_path)
         if isinstance(module, MergedLinear) and leaf in ("weight", "bias"):

