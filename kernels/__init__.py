@@ -1,1 +1,1 @@
-
+"""Triton kernels: each file holds a kernel, its launcher and a plain-PyTorch reference."""

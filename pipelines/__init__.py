@@ -1,1 +1,1 @@
-
+"""Jobs: read → task → write, runners and resume."""

@@ -26,6 +26,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, keys per sequence after this step's writes
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot (block * block_size + offset)
+    query_start_loc_host: list[int]
+    """`query_start_loc` on the host, so backends plan without a device sync."""
+    seq_lens_host: list[int]
     backend_data: object | None = None
     """Whatever the backend precomputed once per step in `prepare` (masks, gather indices)."""
 

@@ -1,14 +1,18 @@
 """Reference attention over the paged KV cache in plain PyTorch (CPU and CUDA).
 
-Queries and keys are gathered into padded `[num_seqs, max_len, ...]` batches once per
-layer and fed to `scaled_dot_product_attention` with a mask that encodes causality, each
-sequence's length and an optional sliding window. Simple and exact; the Triton backend is
-checked against it.
+Two paths, chosen per sequence once per step:
+- a sequence whose whole context is new this step (a fresh prefill) attends over its own
+  keys with a causal `scaled_dot_product_attention`, without reading the cache;
+- every other sequence (decode, chunked prefill, prefix-cache hits) has its keys gathered
+  from the paged cache into a padded `[num_seqs, max_seq_len, ...]` batch and attends under
+  a mask that encodes causality, sequence length and the optional sliding window.
+GQA is handled without copying keys: the query heads that share a key head are folded into
+extra query rows. Simple and exact; the Triton backend is checked against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,37 +21,91 @@ from .backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass
+class _PagedPlan:
+    """Padded layout of the sequences that read the cache."""
+
+    token_index: torch.Tensor  # [num_paged_tokens] rows of the step's tokens in this group
+    query_dest: torch.Tensor  # [num_paged_tokens] index into the padded [n * max_q]
+    block_tables: torch.Tensor  # [n, num_blocks] int64
+    num_seqs: int
+    max_q: int
+    max_k: int
+    query_pos: torch.Tensor  # [n, max_q] position of each padded query
+    key_pos: torch.Tensor  # [max_k]
+    valid: torch.Tensor  # [n, 1, max_q, max_k] bool: causal and within the sequence
+    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, group: int) -> torch.Tensor:
+        """`[n, 1, group * max_q, max_k]` mask for query rows folded as (group, query)."""
+        key = (sliding_window, group)
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = self.valid
+            if sliding_window is not None:
+                distance = self.query_pos[:, :, None] - self.key_pos[None, None, :]
+                mask = mask & (distance < sliding_window)[:, None]
+            mask = mask.clone()
+            mask[..., 0] |= ~mask.any(-1)  # padding rows attend to key 0 to stay finite
+            n, _, q, k = mask.shape
+            mask = mask[:, :, None].expand(n, 1, group, q, k).reshape(n, 1, group * q, k)
+            self.masks[key] = mask
+        return mask
+
+
+@dataclass
 class _TorchPlan:
-    query_dest: torch.Tensor  # [num_tokens] index into the padded [num_seqs * max_query_len]
-    query_pos: torch.Tensor  # [num_seqs, max_query_len] position of each padded query
-    key_pos: torch.Tensor  # [max_seq_len] 0..max_seq_len-1
-    valid: torch.Tensor  # [num_seqs, 1, max_query_len, max_seq_len] bool, causal & in range
-    window_cache: dict[int, torch.Tensor]
+    fresh: list[tuple[int, int]]  # token ranges of fresh prefills
+    paged: _PagedPlan | None
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
+        qsl, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+        fresh, paged = [], []
+        for i in range(metadata.num_seqs):
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len > 1 and q_len == seq_lens[i]:
+                fresh.append((qsl[i], qsl[i + 1]))
+            else:
+                paged.append(i)
+        plan = _TorchPlan(fresh, self._paged_plan(metadata, paged, qsl, seq_lens) if paged else None)
+        metadata.backend_data = plan
+
+    @staticmethod
+    def _paged_plan(
+        metadata: AttentionMetadata, seqs: list[int], qsl: list[int], seq_lens: list[int]
+    ) -> _PagedPlan:
         device = metadata.query_start_loc.device
-        qsl = metadata.query_start_loc.long()
-        query_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
-        max_q, max_k = metadata.max_query_len, metadata.max_seq_len
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(metadata.num_seqs, device=device), query_lens
-        )  # [num_tokens]
-        idx_in_seq = torch.arange(metadata.num_tokens, device=device) - qsl[seq_of_token]
-        query_dest = seq_of_token * max_q + idx_in_seq
-        seq_lens = metadata.seq_lens.long()
-        j = torch.arange(max_q, device=device)
-        query_pos = (seq_lens - query_lens)[:, None] + j[None, :]  # [num_seqs, max_q]
+        q_lens = [qsl[i + 1] - qsl[i] for i in seqs]
+        lens = [seq_lens[i] for i in seqs]
+        max_q, max_k = max(q_lens), max(lens)
+        token_index, query_dest = [], []
+        for row, (i, q_len) in enumerate(zip(seqs, q_lens, strict=True)):
+            token_index.extend(range(qsl[i], qsl[i] + q_len))
+            query_dest.extend(range(row * max_q, row * max_q + q_len))
+        n = len(seqs)
+        lens_t = torch.tensor(lens, device=device)
+        q_lens_t = torch.tensor(q_lens, device=device)
+        query_pos = (lens_t - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]
         key_pos = torch.arange(max_k, device=device)
         valid = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-            key_pos[None, None, :] < seq_lens[:, None, None]
+            key_pos[None, None, :] < lens_t[:, None, None]
         )
-        # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-        valid[:, :, 0] = True
-        metadata.backend_data = _TorchPlan(query_dest, query_pos, key_pos, valid[:, None], {})
+        seq_index = torch.tensor(seqs, device=device)
+        tables = metadata.block_tables.index_select(0, seq_index).long()
+        return _PagedPlan(
+            token_index=torch.tensor(token_index, device=device),
+            query_dest=torch.tensor(query_dest, device=device),
+            block_tables=tables,
+            num_seqs=n,
+            max_q=max_q,
+            max_k=max_k,
+            query_pos=query_pos,
+            key_pos=key_pos,
+            valid=valid[:, None],
+        )
 
     def forward(
         self,
@@ -60,43 +118,82 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.backend_data  # type: ignore[assignment]
-        num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = key_cache.shape[1]
         write_paged_kv_ref(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        num_heads, num_kv_heads = query.shape[1], key.shape[1]
+        for start, end in plan.fresh:
+            out[start:end] = _causal_attention(
+                query[start:end], key[start:end], value[start:end], scale, sliding_window
+            )
+        paged = plan.paged
+        if paged is not None:
+            q = query.index_select(0, paged.token_index)
+            out[paged.token_index] = _paged_attention(
+                q, key_cache, value_cache, paged, scale, sliding_window, num_heads // num_kv_heads
+            )
+        return out
 
-        n, max_q, max_k = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
-        num_blocks_needed = -(-max_k // block_size)
-        tables = metadata.block_tables[:, :num_blocks_needed].long()
-        # [num_seqs, max_k, num_kv_heads, head_dim]
-        k = key_cache[tables].reshape(n, -1, num_kv_heads, head_dim)[:, :max_k]
-        v = value_cache[tables].reshape(n, -1, num_kv_heads, head_dim)[:, :max_k]
-        q = query.new_zeros(n * max_q, num_heads, head_dim)
-        q[plan.query_dest] = query
-        q = q.view(n, max_q, num_heads, head_dim)
 
-        mask = plan.valid
-        if sliding_window is not None:
-            mask = plan.window_cache.get(sliding_window)
-            if mask is None:
-                in_window = (plan.query_pos[:, :, None] - plan.key_pos[None, None, :]) < (
-                    sliding_window
-                )
-                mask = plan.valid & in_window[:, None]
-                mask[..., 0] |= ~mask.any(-1)  # keep padding rows finite
-                plan.window_cache[sliding_window] = mask
+def _causal_attention(
+    q: torch.Tensor,  # [len, num_heads, head_dim]
+    k: torch.Tensor,  # [len, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [len, num_kv_heads, head_dim]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [len, num_heads, head_dim]
+    length = q.shape[0]
+    mask = None
+    if sliding_window is not None and sliding_window < length:
+        pos = torch.arange(length, device=q.device)
+        distance = pos[:, None] - pos[None, :]
+        mask = (distance >= 0) & (distance < sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1).to(q.dtype),
+        v.transpose(0, 1).to(q.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # [num_heads, len, head_dim]
+    return out.transpose(0, 1)
 
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [n, num_heads, max_q, head_dim]
-            k.transpose(1, 2).to(q.dtype),  # [n, num_kv_heads, max_k, head_dim]
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )  # [n, num_heads, max_q, head_dim]
-        out = out.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
-        return out[plan.query_dest]
+
+def _paged_attention(
+    q: torch.Tensor,  # [num_paged_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    plan: _PagedPlan,
+    scale: float,
+    sliding_window: int | None,
+    group: int,
+) -> torch.Tensor:  # [num_paged_tokens, num_heads, head_dim]
+    n, max_q, max_k = plan.num_seqs, plan.max_q, plan.max_k
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_blocks = -(-max_k // block_size)
+    flat_tables = plan.block_tables[:, :num_blocks].reshape(-1)
+    # [n, kv_heads, max_k, head_dim]
+    k = key_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim)[:, :max_k]
+    v = value_cache.index_select(0, flat_tables).view(n, -1, num_kv_heads, head_dim)[:, :max_k]
+    k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+    padded = q.new_zeros(n * max_q, num_kv_heads * group, head_dim)
+    padded[plan.query_dest] = q
+    # Fold the `group` query heads of each key head into query rows: [n, kv, group * max_q, d]
+    folded = (
+        padded.view(n, max_q, num_kv_heads, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(n, num_kv_heads, group * max_q, head_dim)
+    )
+    out = F.scaled_dot_product_attention(
+        folded, k, v, attn_mask=plan.mask(sliding_window, group), scale=scale
+    )
+    out = (
+        out.view(n, num_kv_heads, group, max_q, head_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(n * max_q, num_kv_heads * group, head_dim)
+    )
+    return out[plan.query_dest]
 
 
 def write_paged_kv_ref(

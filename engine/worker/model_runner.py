@@ -183,6 +183,8 @@ class ModelRunner:
             seq_lens=_to(seq_lens.astype(np.int32), dev),
             block_tables=_to(block_tables.astype(np.int32), dev),
             slot_mapping=_to(slot_mapping, dev),
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
         )
         self.backend.prepare(metadata)
         hidden = self.model(_to(input_ids, dev), _to(positions, dev), self.kv_caches, metadata)

@@ -1,0 +1,78 @@
+"""Helpers shared by the benchmark scripts: prompts, timing, the JSONL record."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """Seeded random token-id prompts with lengths uniform in [min_len, max_len]."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
+    # Avoid the first few ids, which are special tokens in most vocabularies.
+    return [torch.randint(16, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.start
+
+
+class Recorder:
+    """Prints one JSON line per measurement and appends it to a results file."""
+
+    def __init__(self, out_path: str | None) -> None:
+        self.out_path = Path(out_path) if out_path else None
+        self.command = " ".join([Path(sys.executable).name, *sys.argv])
+        self.commit = git_commit()
+        self.device = device_name()
+
+    def record(self, **fields) -> None:
+        row = {**fields, "device": self.device, "commit": self.commit, "command": self.command}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if self.out_path:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.out_path.open("a") as f:
+                f.write(line + "\n")

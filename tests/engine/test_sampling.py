@@ -1,0 +1,154 @@
+"""Sampling: seeded reproducibility, the distribution actually sampled, stop conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchlm.engine import LLM, SamplingParams
+from batchlm.engine.worker.sampler import Sampler, SamplingMetadata
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(str(tiny_model_factory("llama")), max_model_len=128, seed=0)
+
+
+PROMPTS = ["red green blue", "one two three four five six", "the quick brown fox", "a"]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_request_is_independent_of_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, top_k=500, seed=7, max_tokens=12)
+    alone = tokens(llm.generate([PROMPTS[1]], seeded, use_tqdm=False))[0]
+    others = SamplingParams(temperature=0.9, max_tokens=20)
+    # In a batch, first and last, next to unseeded and differently seeded requests.
+    mixed = llm.generate(
+        PROMPTS,
+        [others, seeded, SamplingParams(temperature=1.0, seed=8, max_tokens=5), others],
+        use_tqdm=False,
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    reordered = llm.generate(
+        [PROMPTS[1], *PROMPTS], [seeded, others, others, others, others], use_tqdm=False
+    )
+    assert reordered[0].outputs[0].token_ids == alone
+    # A different seed gives a different sequence (12 tokens from a 49k vocabulary).
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, top_k=500, seed=8, max_tokens=12)
+    assert tokens(llm.generate([PROMPTS[1]], other_seed, use_tqdm=False))[0] != alone
+
+
+def test_seeded_request_survives_preemption(tiny_model_factory):
+    path = str(tiny_model_factory("llama"))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    ample = LLM(path, max_model_len=128)
+    tight = LLM(path, max_model_len=128, num_gpu_blocks_override=8)
+    prompts = [" ".join(["word"] * (10 + 7 * i)) for i in range(6)]
+    expected = tokens(ample.generate(prompts, seeded, use_tqdm=False))
+    assert tokens(tight.generate(prompts, seeded, use_tqdm=False)) == expected
+    assert tight.llm_engine.stats().num_preemptions > 0
+
+
+def test_greedy_ignores_seed_and_batch(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a = tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    b = tokens(llm.generate(PROMPTS[::-1], greedy, use_tqdm=False))[::-1]
+    assert a == b
+
+
+def _reference_probs(logits, temperature, top_k, top_p, min_p):
+    """Straightforward per-row reference: top-k, renormalise, top-p, renormalise, min-p."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    kept = probs[order] / probs[order].sum()
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for idx, p in zip(order, kept.tolist(), strict=True):
+        keep[idx] = True
+        mass += p
+        if mass >= top_p:
+            break
+    p = torch.where(keep, probs, 0.0)
+    p = p / p.sum()
+    if min_p:
+        p = torch.where(p >= min_p * p.max(), p, 0.0)
+        p = p / p.sum()
+    return p
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 6, 0.9, 0.0), (1.0, 0, 1.0, 0.2)],
+)
+def test_sampler_draws_from_the_truncated_distribution(temperature, top_k, top_p, min_p):
+    torch.manual_seed(0)
+    vocab, draws = 12, 40000
+    logits = torch.randn(vocab) * 1.5
+    expected = _reference_probs(logits, temperature, top_k, top_p, min_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    meta = SamplingMetadata.build([params] * draws, {}, vocab, torch.device("cpu"))
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    sampled = sampler(logits.expand(draws, vocab).contiguous(), meta).sampled_token_ids
+    counts = torch.bincount(sampled, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0, "sampled a token the rules exclude"
+    support = expected > 0
+    exp_counts = expected[support].double() * draws
+    chi2 = ((counts[support] - exp_counts) ** 2 / exp_counts).sum().item()
+    dof = int(support.sum()) - 1
+    # chi-square critical value at p = 0.001 is below 3.3 * dof + 8 for dof <= 11
+    assert chi2 < 3.3 * dof + 8, (chi2, dof)
+
+
+def test_stop_strings_stop_tokens_and_lengths(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "length" and base.stop_reason is None
+    assert len(base.token_ids) == 12
+
+    tok = llm.get_tokenizer()
+    # Stop at the text of the 5th generated token.
+    stop_text = tok.decode(base.token_ids[4:5]).strip() or tok.decode(base.token_ids[4:6])
+    cut = base.text.find(stop_text)
+    assert cut > 0
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop_text])
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_text
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < 12
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        stop=stop_text,
+        include_stop_str_in_output=True,
+    )
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[: cut + len(stop_text)]
+
+    stop_id = base.token_ids[6]
+    first = base.token_ids.index(stop_id)
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.text == tok.decode(base.token_ids[:first], skip_special_tokens=True)
+
+
+def test_outputs_in_input_order_with_logprobs(llm):
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=4, logprobs=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=True)
+    assert [o.prompt for o in outs] == PROMPTS
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and len(c.logprobs) == len(c.token_ids)
+        for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
+            assert token_id in entry and 3 <= len(entry) <= 4
+            ranks = sorted(lp.rank for t, lp in entry.items() if t != token_id or lp.rank <= 3)
+            assert ranks[:3] == [1, 2, 3]
