@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import Recorder, Timer, random_prompts
 
 from batchlm.engine import LLM, SamplingParams
-
-from common import Recorder, Timer, random_prompts
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -30,7 +29,9 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_new: int) -> tuple[floa
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)
+        model.generate(
+            ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False
+        )
         with Timer() as t:
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad

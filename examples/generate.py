@@ -1,6 +1,6 @@
 """Generate with the bundled SmolLM2-135M-Instruct on whatever device is here (CPU is fine).
 
-    python examples/generate.py
+python examples/generate.py
 """
 
 from batchlm.engine import LLM, SamplingParams

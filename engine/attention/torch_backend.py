@@ -70,7 +70,9 @@ class TorchAttentionBackend(AttentionBackend):
                 fresh.append((qsl[i], qsl[i + 1]))
             else:
                 paged.append(i)
-        plan = _TorchPlan(fresh, self._paged_plan(metadata, paged, qsl, seq_lens) if paged else None)
+        plan = _TorchPlan(
+            fresh, self._paged_plan(metadata, paged, qsl, seq_lens) if paged else None
+        )
         metadata.backend_data = plan
 
     @staticmethod

@@ -83,7 +83,13 @@ def _reference_probs(logits, temperature, top_k, top_p, min_p):
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
-    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 6, 0.9, 0.0), (1.0, 0, 1.0, 0.2)],
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (1.0, 6, 0.9, 0.0),
+        (1.0, 0, 1.0, 0.2),
+    ],
 )
 def test_sampler_draws_from_the_truncated_distribution(temperature, top_k, top_p, min_p):
     torch.manual_seed(0)
