@@ -166,8 +166,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def allocate_slots(
@@ -205,6 +203,10 @@ class KVCacheManager:
             if not blocks:
                 self._forget(rid)
             return None
+        if computed is not None and self.enable_prefix_caching:
+            # Counted once per admission, not on every lookup of a request still waiting.
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += computed.num_computed_tokens
         if hit_blocks:
             self.pool.touch(hit_blocks)
             blocks.extend(hit_blocks)

@@ -30,7 +30,7 @@ class ScheduledRequest:
     start_pos: int
     """Position of `token_ids[0]` (= tokens already computed before this step)."""
     block_ids: list[int]
-    """The request's whole block table."""
+    """The request's whole block table (the live list: valid for this step only)."""
     needs_sample: bool
     """True when this step reaches the request's last token, so its logits give a new token."""
     sampling_params: SamplingParams
