@@ -55,7 +55,12 @@ class _PagedPlan:
 @dataclass
 class _TorchPlan:
     fresh: list[tuple[int, int]]  # token ranges of fresh prefills
-    paged: _PagedPlan | None
+    paged: list[_PagedPlan]  # groups of similar length, to limit padding
+
+
+# A paged group is split when a sequence is shorter than this fraction of the group's longest.
+_GROUP_LENGTH_RATIO = 0.6
+_MAX_GROUPS = 4
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -70,10 +75,22 @@ class TorchAttentionBackend(AttentionBackend):
                 fresh.append((qsl[i], qsl[i + 1]))
             else:
                 paged.append(i)
-        plan = _TorchPlan(
-            fresh, self._paged_plan(metadata, paged, qsl, seq_lens) if paged else None
-        )
-        metadata.backend_data = plan
+        groups: list[list[int]] = []
+        if paged:
+            paged.sort(key=lambda i: seq_lens[i], reverse=True)
+            groups.append([])
+            for i in paged:
+                group = groups[-1]
+                if (
+                    group
+                    and seq_lens[i] < _GROUP_LENGTH_RATIO * seq_lens[group[0]]
+                    and len(groups) < _MAX_GROUPS
+                ):
+                    group = []
+                    groups.append(group)
+                group.append(i)
+        plans = [self._paged_plan(metadata, g, qsl, seq_lens) for g in groups]
+        metadata.backend_data = _TorchPlan(fresh, plans)
 
     @staticmethod
     def _paged_plan(
@@ -128,8 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = _causal_attention(
                 query[start:end], key[start:end], value[start:end], scale, sliding_window
             )
-        paged = plan.paged
-        if paged is not None:
+        for paged in plan.paged:
             q = query.index_select(0, paged.token_index)
             out[paged.token_index] = _paged_attention(
                 q, key_cache, value_cache, paged, scale, sliding_window, num_heads // num_kv_heads
@@ -150,16 +166,18 @@ def _causal_attention(
         pos = torch.arange(length, device=q.device)
         distance = pos[:, None] - pos[None, :]
         mask = (distance >= 0) & (distance < sliding_window)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # explicit copies keep SDPA on its fused path (enable_gqa falls back to math)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1).to(q.dtype),
-        v.transpose(0, 1).to(q.dtype),
+        q.transpose(0, 1)[None],  # [1, num_heads, len, head_dim]
+        k.transpose(0, 1)[None].to(q.dtype),
+        v.transpose(0, 1)[None].to(q.dtype),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # [num_heads, len, head_dim]
-    return out.transpose(0, 1)
+    )  # [1, num_heads, len, head_dim]
+    return out[0].transpose(0, 1)
 
 
 def _paged_attention(
