@@ -19,9 +19,15 @@ from .request import Request
 _ROOT_HASH = 0x6261746368
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block: equal only when the whole prefix is equal."""
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: int | None = None) -> int:
+    """Chained hash of one full block: equal only when the whole prefix (and salt) is equal.
+
+    Python's hash of a tuple of ints is deterministic across runs (no hash randomisation for
+    ints); a 64-bit collision between different prefixes is negligible at cache sizes.
+    """
+    if parent_hash is None:
+        parent_hash = _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt))
+    return hash((parent_hash, tuple(token_ids)))
 
 
 @dataclass(eq=False)
@@ -149,14 +155,14 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start : start + bs]))
+            hashes.append(hash_block(parent, tokens[start : start + bs], request.cache_salt))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute, so that the step produces logits.
         """
-        if not self.enable_prefix_caching:
+        if not self._caches(request) or request.skip_prefix_cache:
             return ComputedBlocks([], 0)
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -203,7 +209,7 @@ class KVCacheManager:
             if not blocks:
                 self._forget(rid)
             return None
-        if computed is not None and self.enable_prefix_caching:
+        if computed is not None and self._caches(request):
             # Counted once per admission, not on every lookup of a request still waiting.
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += computed.num_computed_tokens
@@ -216,9 +222,14 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         self.req_block_ids[rid].extend(new_ids)
-        if self.enable_prefix_caching:
+        if self._caches(request):
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
+
+    def _caches(self, request: Request) -> bool:
+        """Whether the request's full blocks are hashed and shared: always with prefix caching
+        on; otherwise only within a salted group (siblings of one prompt)."""
+        return self.enable_prefix_caching or request.cache_salt is not None
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are written."""

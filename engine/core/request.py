@@ -52,7 +52,13 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_index: int
-    """Order of arrival; the scheduler serves waiting requests first come, first served."""
+    """Order of arrival (requests are queued first come, first served)."""
+    cache_salt: int | None = None
+    """Root of this request's block-hash chain. None shares the global prefix cache; a
+    private value limits sharing to requests with the same salt (the n samples of one prompt
+    when prefix caching is off)."""
+    skip_prefix_cache: bool = False
+    """Compute every prompt token even when cached (prompt logprobs need their logits)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

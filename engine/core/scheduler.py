@@ -36,6 +36,8 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]
     """Tokens generated so far (the live list; read-only for the runner, used by penalties)."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    """The prompt (read-only; repetition penalty and prompt logprobs read it)."""
 
 
 @dataclass
@@ -188,6 +190,7 @@ class Scheduler:
             needs_sample=request.num_computed_tokens == request.num_tokens,
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:
