@@ -1,5 +1,6 @@
 """batchlm's engine: the vLLM-compatible `LLM` API and the engine core behind it."""
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .errors import InvalidParamError, InvalidPromptError, ModelNotFoundError
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
@@ -14,6 +15,9 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "InvalidParamError",
     "InvalidPromptError",
     "ModelNotFoundError",

@@ -42,7 +42,13 @@ class ModelConfig:
     seed: int
     """Seed of the engine's generator for requests without their own seed."""
     trust_remote_code: bool = False
-    """Never used to run downloaded code (nothing is downloaded); kept for vLLM parity."""
+    """Accepted for vLLM parity; batchlm never runs code that ships with a checkpoint."""
+    revision: str | None = None
+    """Snapshot of a hub-style name in the local Hugging Face cache (None: `main`)."""
+    skip_tokenizer_init: bool = False
+    """Run without a tokenizer: prompts must be token ids and outputs carry no text."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's (`LLM(chat_template=...)`)."""
 
     @property
     def architecture(self) -> str:
@@ -102,6 +108,10 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    disable_log_stats: bool = False
+    """Skip collecting per-step statistics for logs and metrics."""
+    return_sampling_mask: bool = False
+    """Return, per generated token, the token ids that survived top-k / top-p / min-p."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):
@@ -116,8 +126,12 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
         raise InvalidParamError(f"dtype={dtype!r} must be a string such as 'auto' or 'bfloat16'")
     key = dtype.lower()
     if key == "auto":
-        if device.type == "cpu" or config_dtype is None or config_dtype not in _DTYPES.values():
+        # CPU: float32, because half-precision matmuls are slow on most CPUs.
+        if device.type == "cpu":
             return torch.float32
+        # CUDA: the checkpoint's dtype, with float32 checkpoints run in float16 (as vLLM does).
+        if config_dtype is None or config_dtype == torch.float32:
+            return torch.float16
         return config_dtype
     if key not in _DTYPES:
         raise InvalidParamError(

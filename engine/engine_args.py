@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from .config import (
     resolve_dtype,
 )
 from .errors import InvalidParamError
+from .loader import resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,32 +48,35 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    skip_tokenizer_init: bool = False
+    chat_template: str | None = None
+    disable_log_stats: bool = False
+    return_sampling_mask: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise InvalidParamError(
-                f"unknown LLM option(s) {unknown}; supported: {', '.join(sorted(known - {'model'}))}"
+            raise TypeError(
+                f"LLM() got unknown keyword argument(s) {unknown}; valid ones: "
+                f"{', '.join(sorted(known - {'model'}))}"
             )
         return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        from transformers import AutoConfig
-
-        from .loader import resolve_model
-
         self._validate()
         if not isinstance(self.model, (str, Path)):
             raise InvalidParamError(f"model={self.model!r} must be a path or a model name")
-        path = resolve_model(str(self.model))
-        tokenizer_path = resolve_model(self.tokenizer) if self.tokenizer else path
-        hf_config = AutoConfig.from_pretrained(
-            str(path), trust_remote_code=self.trust_remote_code, local_files_only=True
-        )
+        path = resolve_model(str(self.model), self.revision)
+        tokenizer_path = self._tokenizer_path(path)
+        hf_config = _load_hf_config(path, self.trust_remote_code)
         device = self._device()
         dtype = resolve_dtype(self.dtype, config_torch_dtype(hf_config), device)
+        if self.dtype == "auto" and device.type == "cpu":
+            logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
         derived_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
         max_model_len = self.max_model_len or derived_len
         if max_model_len > derived_len and not _allows_longer(hf_config):
@@ -100,6 +107,9 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
+                revision=self.revision,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                chat_template=self._chat_template(),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -119,7 +129,26 @@ class EngineArgs:
             device=DeviceConfig(
                 device=device, attention_backend=backend, enforce_eager=self.enforce_eager
             ),
+            disable_log_stats=self.disable_log_stats,
+            return_sampling_mask=self.return_sampling_mask,
         )
+
+    def _tokenizer_path(self, model_path: Path) -> Path:
+        if not self.tokenizer:
+            if self.tokenizer_revision is not None:
+                return resolve_model(str(self.model), self.tokenizer_revision)
+            return model_path
+        local = Path(str(self.tokenizer)).expanduser()
+        if local.is_dir():  # a tokenizer folder needs no config.json
+            return local
+        return resolve_model(str(self.tokenizer), self.tokenizer_revision)
+
+    def _chat_template(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        from .chat_utils import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
     def _device(self) -> torch.device:
         if self.device == "auto":
@@ -143,6 +172,17 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParamError(f"{name}={value!r} must be an integer >= 1")
 
+        for name in (
+            "trust_remote_code",
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enforce_eager",
+            "skip_tokenizer_init",
+            "disable_log_stats",
+            "return_sampling_mask",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamError(f"{name}={getattr(self, name)!r} must be True or False")
         positive_int("block_size", self.block_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
@@ -158,6 +198,43 @@ class EngineArgs:
             raise InvalidParamError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported so far"
             )
+
+
+def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
+    """The transformers config, with a clear error for architectures that need remote code."""
+    import json
+
+    from transformers import AutoConfig
+
+    from .errors import UnsupportedModelError
+
+    raw = json.loads((path / "config.json").read_text())
+    if "auto_map" in raw and raw.get("model_type") not in _known_model_types():
+        raise UnsupportedModelError(
+            f"{path} declares its own modelling code (auto_map: {sorted(raw['auto_map'])}); "
+            "batchlm never runs code shipped with a checkpoint"
+            + ("" if trust_remote_code else " (trust_remote_code=True does not change that)")
+            + f". Supported architectures: {', '.join(_supported())}"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise UnsupportedModelError(
+            f"cannot read {path / 'config.json'}: {e}. Supported architectures: "
+            f"{', '.join(_supported())}"
+        ) from e
+
+
+def _known_model_types() -> set[str]:
+    from transformers import CONFIG_MAPPING
+
+    return set(CONFIG_MAPPING.keys())
+
+
+def _supported() -> list[str]:
+    from .models.registry import supported_architectures
+
+    return supported_architectures()
 
 
 def _allows_longer(hf_config: Any) -> bool:

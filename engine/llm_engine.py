@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
@@ -12,12 +13,22 @@ from .core.request import Request, RequestStatus
 from .core.scheduler import Scheduler, SchedulerStats
 from .errors import InvalidParamError
 from .output_processor import OutputProcessor
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
 from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ParentRequest:
+    """A prompt with n > 1 samples, run as n child requests that share its KV blocks."""
+
+    request_id: str
+    child_ids: list[str]
+    completions: dict[int, CompletionOutput]
+    first_output: RequestOutput | None = None
 
 
 class LLMEngine:
@@ -29,11 +40,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
+        mc = config.model
+        self.tokenizer = (
+            None
+            if mc.skip_tokenizer_init
+            else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
+        )
         self.runner = ModelRunner(config)
+        self.runner.return_sampling_mask = config.return_sampling_mask
         num_blocks = self.runner.determine_num_blocks()
         block_size = config.cache.block_size
-        max_len = config.model.max_model_len
+        max_len = mc.max_model_len
         if num_blocks * block_size < max_len:
             raise InvalidParamError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
@@ -44,8 +61,11 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_len)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_id = _eos_token_id(config.model.hf_config, self.tokenizer)
+        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
         self._arrivals = itertools.count()
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_parent: dict[str, tuple[str, int]] = {}
+        self._stash: dict[str, RequestOutput] = {}
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
     @property
@@ -59,25 +79,67 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> None:
-        """Queue a validated request."""
+        """Queue a validated request (n > 1 becomes n child requests)."""
+        if params.n == 1:
+            self._add(request_id, prompt_token_ids, params, prompt, None)
+            return
+        # Siblings always share the prompt's full blocks: with prefix caching off, a salt
+        # private to this prompt keeps the sharing among them.
+        salt = None if self.config.cache.enable_prefix_caching else hash(("n", request_id))
+        child_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        self._parents[request_id] = _ParentRequest(request_id, child_ids, {})
+        for i, child_id in enumerate(child_ids):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i
+            self._child_parent[child_id] = (request_id, i)
+            self._add(child_id, prompt_token_ids, child, prompt, salt)
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        cache_salt: int | None,
+    ) -> None:
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_index=next(self._arrivals),
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         self.outputs.add_request(request, prompt)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Drop requests, freeing their KV blocks; their outputs are discarded."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        """Drop requests (or n > 1 parents), freeing their KV blocks; outputs are discarded."""
+        ids: list[str] = []
         for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                ids.append(rid)
+                continue
+            ids.extend(parent.child_ids)
+            for child_id in parent.child_ids:
+                self._child_parent.pop(child_id, None)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
             self.outputs.states.pop(rid, None)
+            self._stash.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stash_output(self, output: RequestOutput) -> None:
+        """Keep a finished output that no caller is waiting for yet."""
+        self._stash[output.request_id] = output
+
+    def pop_stashed_output(self, request_id: str) -> RequestOutput | None:
+        return self._stash.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests that finished in it."""
@@ -87,14 +149,39 @@ class LLMEngine:
         finished_ids, stopped = self.outputs.process(updated, runner_out.logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return [self.outputs.finish(rid) for rid in finished_ids]
+        finished = []
+        for rid in finished_ids:
+            out = self.outputs.finish(rid)
+            if rid in self._child_parent:
+                merged = self._merge_child(rid, out)
+                if merged is not None:
+                    finished.append(merged)
+            else:
+                finished.append(out)
+        return finished
+
+    def _merge_child(self, child_id: str, out: RequestOutput) -> RequestOutput | None:
+        parent_id, index = self._child_parent.pop(child_id)
+        parent = self._parents[parent_id]
+        completion = out.outputs[0]
+        completion.index = index
+        parent.completions[index] = completion
+        if parent.first_output is None:
+            parent.first_output = out
+        if len(parent.completions) < len(parent.child_ids):
+            return None
+        del self._parents[parent_id]
+        first = parent.first_output
+        first.request_id = parent_id
+        first.outputs = [parent.completions[i] for i in range(len(parent.child_ids))]
+        return first
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
 
 def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, list):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from .core.request import Request, RequestStatus
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from .tokenizer import IncrementalDetokenizer
-from .worker.model_runner import TokenLogprobs
+from .worker.model_runner import PromptLogprobsChunk, StepLogprobs, TokenLogprobs
 
 
 class RequestState:
@@ -24,6 +24,11 @@ class RequestState:
         )
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.sampling_mask: list[list[int]] | None = None
+        """Filled once the runner sends masks (it does when return_sampling_mask is on)."""
         self.tokenizer = tokenizer
 
 
@@ -42,6 +47,11 @@ class OutputProcessor:
     ) -> tuple[list[str], list[str]]:
         """Consume the step's new tokens.
 
+        Args:
+            updated: Requests that got a token this step.
+            logprobs: The runner's `StepLogprobs`: sampled-token logprobs, and also the
+                step's prompt-logprob chunks and sampling masks (a plain dict has neither).
+
         Returns:
             The ids of requests that are finished (build their outputs with `finish` once the
             scheduler has released them), and, among them, those that a stop string ended
@@ -49,6 +59,13 @@ class OutputProcessor:
         """
         finished: list[str] = []
         stopped_by_string: list[str] = []
+        masks: dict[str, list[int]] = {}
+        if isinstance(logprobs, StepLogprobs):
+            masks = logprobs.sampling_masks
+            for rid, chunk in logprobs.prompt.items():
+                state = self.states.get(rid)
+                if state is not None and state.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(state, chunk)
         for request in updated:
             rid = request.request_id
             state = self.states[rid]
@@ -58,6 +75,11 @@ class OutputProcessor:
             if state.logprobs is not None and entry is not None:
                 state.logprobs.append(self._logprob_dict(token_id, entry))
                 state.cumulative_logprob += entry.logprob
+            mask = masks.get(rid)
+            if mask is not None:
+                if state.sampling_mask is None:
+                    state.sampling_mask = []
+                state.sampling_mask.append(mask)
             stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
             if state.detokenizer is not None:
                 skip = stopped_by_token and not params.include_stop_str_in_output
@@ -71,6 +93,25 @@ class OutputProcessor:
             if request.status.is_finished or rid in stopped_by_string:
                 finished.append(rid)
         return finished, stopped_by_string
+
+    def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobsChunk) -> None:
+        """Append a chunk's positions; positions already there (recomputed after a
+        preemption) are skipped."""
+        out = state.prompt_logprobs
+        assert out is not None
+        prompt = state.request.prompt_token_ids
+        for j, (logprob, rank) in enumerate(zip(chunk.logprobs, chunk.ranks, strict=True)):
+            position = chunk.start + j
+            if position < len(out):
+                continue
+            assert position == len(out), "prompt-logprob chunks arrive in prompt order"
+            token_id = prompt[position]
+            out.append(
+                self._logprob_dict(
+                    token_id,
+                    TokenLogprobs(logprob, rank, chunk.top_ids[j], chunk.top_logprobs[j]),
+                )
+            )
 
     def _logprob_dict(self, token_id: int, entry: TokenLogprobs) -> dict[int, Logprob]:
         ids = [token_id, *entry.top_ids]
@@ -94,6 +135,7 @@ class OutputProcessor:
             logprobs=state.logprobs,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            sampling_mask=state.sampling_mask,
         )
         return RequestOutput(
             request_id=request.request_id,
@@ -101,5 +143,6 @@ class OutputProcessor:
             prompt_token_ids=list(request.prompt_token_ids),
             outputs=[completion],
             finished=True,
+            prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )

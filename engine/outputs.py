@@ -18,6 +18,10 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 """Per generated position: token id → Logprob, holding the sampled token and the top-k."""
 
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt position: None for the first token, then token id → Logprob holding the
+prompt token (with its rank among all tokens) and the top-k at that position."""
+
 
 @dataclass
 class CompletionOutput:
@@ -33,6 +37,11 @@ class CompletionOutput:
     'abort', or None while unfinished."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the completion; None for EOS or length."""
+    sampling_mask: list[list[int]] | None = None
+    """With `LLM(return_sampling_mask=True)`: one entry per generated token (parallel to
+    `token_ids`), the sorted ids of the tokens the sampler could draw at that step, i.e.
+    those left after allowed_token_ids, bad_words, -inf logit_bias, min_tokens bans,
+    top-k, top-p and min-p. A greedy step gives `[argmax]` alone. None when not asked for."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -47,7 +56,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """With `SamplingParams(prompt_logprobs=k)`: see `PromptLogprobs`; else None."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: object | None = field(default=None, repr=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .errors import InvalidParamError
 
@@ -22,6 +23,15 @@ class SamplingParams:
 
     n: int = 1
     """Number of completions to return for the prompt."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (in [-2, 2]); > 0
+    favours new tokens, < 0 repetition. Prompt tokens do not count."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far (in [-2, 2]);
+    > 0 favours new tokens, < 0 repetition. Prompt tokens do not count."""
+    repetition_penalty: float = 1.0
+    """Divides positive and multiplies negative logits of every token seen in the prompt or
+    the output so far (> 0; 1 disables it); > 1 discourages repetition."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy decoding."""
     top_p: float = 1.0
@@ -46,6 +56,13 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of most likely tokens whose log probabilities are returned at each step, in
     addition to the sampled token; None returns none."""
+    prompt_logprobs: int | None = None
+    """Number of most likely tokens whose log probabilities are returned at each prompt
+    position, in addition to the prompt token itself; None returns none. Such a request
+    computes its whole prompt, bypassing the prefix cache."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (k >= 1); -1 keeps the last max_model_len; None
+    keeps the whole prompt (which must then fit max_model_len)."""
     detokenize: bool = True
     """Turn output token ids into text."""
     skip_special_tokens: bool = True
@@ -54,8 +71,20 @@ class SamplingParams:
     """Put spaces between special tokens in the text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string (or stop token's text) in the returned text."""
+    logit_bias: dict[int, float] | None = None
+    """Token id → value added to its logit before sampling, clamped to [-100, 100] (the
+    OpenAI convention). Keys may be ints or strings of ints (as JSON gives them)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated (a non-empty list); None allows all."""
+    bad_words: list[str] | None = None
+    """Words that may not be generated: the last token of a word's tokenization is banned
+    whenever the tokens before it end the output so far (a one-token word is always
+    banned). Each word is banned with and without a leading space."""
 
     # Derived, not user-facing.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
+    """Token ids of each banned word form, filled by `resolve_bad_words` (needs the tokenizer,
+    so it runs when the request is added, not at construction)."""
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +99,15 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = {
+                int(token): min(100.0, max(-100.0, float(bias)))
+                for token, bias in self.logit_bias.items()
+            }
 
     @property
     def stop_strs(self) -> list[str]:
@@ -81,8 +119,75 @@ class SamplingParams:
         """True when decoding takes the argmax."""
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Check that every token id in the params lies in the vocabulary.
+
+        Called when the request is added (the vocabulary is not known at construction).
+
+        Raises:
+            InvalidParamError: naming the field and the first id outside `[0, vocab_size)`.
+        """
+        groups: list[tuple[str, list[int]]] = [
+            ("stop_token_ids", list(self.stop_token_ids or [])),
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", list(self.allowed_token_ids or [])),
+            ("bad_words", [t for ids in self.bad_words_token_ids for t in ids]),
+        ]
+        for name, ids in groups:
+            for token_id in ids:
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidParamError(
+                        f"{name} has token id {token_id}, outside the vocabulary "
+                        f"[0, {vocab_size}); use ids below {vocab_size}"
+                    )
+
+    def resolve_bad_words(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids` (a no-op without bad words).
+
+        Each word is tokenized as written (leading spaces stripped) and with one leading
+        space, so it is banned both at the start of the text and after a space; the spaced
+        form is kept only when it is a different token sequence of the same length (vLLM's
+        rule). Idempotent; clones carry the result.
+
+        Args:
+            tokenizer: A transformers tokenizer (`encode(text, add_special_tokens=False)`).
+
+        Raises:
+            InvalidParamError: a word tokenizes to no token at all.
+        """
+        resolved: list[list[int]] = []
+        for word in self.bad_words or []:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise InvalidParamError(
+                    f"bad_words has {word!r}, which tokenizes to no token; remove it"
+                )
+            resolved.append(plain)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                resolved.append(spaced)
+        self.bad_words_token_ids = resolved
+
     def _validate(self) -> None:
         _check_int("n", self.n, low=1)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            low=0.0,
+            low_open=True,
+            hint="use 1 to disable it",
+        )
         _check_float("temperature", self.temperature, low=0.0, hint="use 0 for greedy")
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=0, hint="use 0 or -1 to keep every token")
@@ -98,6 +203,16 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidParamError(
+                    "truncate_prompt_tokens=0 must be >= 1, or -1 for max_model_len "
+                    "(None keeps the whole prompt)"
+                )
+        self._validate_token_constraints()
         for i, s in enumerate(self._stop_strs):
             if not isinstance(s, str) or not s:
                 raise InvalidParamError(
@@ -117,13 +232,53 @@ class SamplingParams:
             if not isinstance(value, bool):
                 raise InvalidParamError(f"{name}={value!r} must be True or False")
 
+    def _validate_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParamError(
+                    f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias"
+                )
+            for token, bias in self.logit_bias.items():
+                if _as_token_id(token) is None:
+                    raise InvalidParamError(
+                        f"logit_bias has key {token!r}, which is not a token id (int >= 0)"
+                    )
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != bias:
+                    raise InvalidParamError(
+                        f"logit_bias[{token!r}]={bias!r} must be a number (clamped to [-100, 100])"
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise InvalidParamError(
+                    f"allowed_token_ids={ids!r} must be a non-empty list of token ids "
+                    "(None allows every token)"
+                )
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise InvalidParamError(
+                        f"allowed_token_ids[{i}]={t!r} must be a token id (int >= 0)"
+                    )
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise InvalidParamError(f"bad_words={self.bad_words!r} must be a list of strings")
+            for i, w in enumerate(self.bad_words):
+                if not isinstance(w, str) or not w.strip():
+                    raise InvalidParamError(
+                        f"bad_words[{i}]={w!r} must be a non-empty string; remove it"
+                    )
+
     def clone(self) -> SamplingParams:
         """A copy that can be changed without touching this one."""
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if isinstance(kwargs[key], list):
                 kwargs[key] = list(kwargs[key])
-        return SamplingParams(**kwargs)
+        if kwargs["logit_bias"] is not None:
+            kwargs["logit_bias"] = dict(kwargs["logit_bias"])
+        copy = SamplingParams(**kwargs)
+        copy.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        return copy
 
 
 def _check_int(
@@ -152,6 +307,20 @@ def _check_float(
         lo = f"> {low}" if low_open else f">= {low}"
         rng = f"{lo} and <= {high}" if high is not None else lo
         raise InvalidParamError(f"{name}={value} must be {rng}{_hint(hint)}")
+
+
+def _as_token_id(token: object) -> int | None:
+    """`token` as a token id when it is an int >= 0 or a string of one, else None."""
+    if isinstance(token, bool):
+        return None
+    if isinstance(token, str):
+        token = token.strip()
+        if not token.isdigit():
+            return None
+        return int(token)
+    if isinstance(token, int) and token >= 0:
+        return token
+    return None
 
 
 def _range(low: float | None, high: float | None) -> str:

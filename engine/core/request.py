@@ -58,9 +58,12 @@ class Request:
     private value limits sharing to requests with the same salt (the n samples of one prompt
     when prefix caching is off)."""
     skip_prefix_cache: bool = False
-    """Compute every prompt token even when cached (prompt logprobs need their logits)."""
+    """Compute every prompt token even when cached (prompt logprobs need their logits).
+    Always set for requests that ask for `prompt_logprobs`."""
 
     def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.skip_prefix_cache = True
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -38,6 +38,8 @@ class ScheduledRequest:
     """Tokens generated so far (the live list; read-only for the runner, used by penalties)."""
     prompt_token_ids: list[int] = field(default_factory=list)
     """The prompt (read-only; repetition penalty and prompt logprobs read it)."""
+    eos_token_id: int | None = None
+    """The model's EOS token, banned (with stop_token_ids) while `min_tokens` is not reached."""
 
 
 @dataclass
@@ -191,6 +193,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
+            eos_token_id=request.eos_token_id,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -57,12 +57,14 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 """Hub-style names (matched case-insensitively) → the package that ships the model."""
 
 
-def resolve_model(model: str | os.PathLike[str]) -> Path:
+def resolve_model(model: str | os.PathLike[str], revision: str | None = None) -> Path:
     """A local folder with `config.json` for `model`, without touching the network.
 
     Args:
         model: a local folder, a `.gguf` file, or a hub-style name such as
             `"HuggingFaceTB/SmolLM2-135M-Instruct"`.
+        revision: for hub-style names, which local snapshot of the Hugging Face cache: a
+            branch or tag under `refs/` or a commit hash (or its prefix). None picks `main`.
 
     Returns:
         The folder: the given one, a Hugging Face cache snapshot, a packaged model's folder, or
@@ -100,6 +102,13 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
             "Face model folder."
         )
 
+    if revision is not None:
+        if not _is_hub_name(text):
+            raise ModelNotFoundError(
+                f"revision={revision!r} applies only to hub-style names found in the Hugging "
+                f"Face cache, but model={text!r} is not one; drop revision= or pass the name"
+            )
+        return _revision_from_hf_cache(text, revision)
     if _is_hub_name(text):
         found = _from_hf_cache(text)
         if found is not None:
@@ -150,6 +159,39 @@ def _from_hf_cache(name: str) -> Path | None:
             if found is not None:
                 return found
     return None
+
+
+def _revision_from_hf_cache(name: str, revision: str) -> Path:
+    """The snapshot of `name` at `revision` (a ref name, a commit hash or a unique prefix)."""
+    repo = envs.hf_hub_cache() / ("models--" + name.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    available = (
+        sorted(e.name for e in snapshots.iterdir() if e.is_dir()) if snapshots.is_dir() else []
+    )
+    refs_dir = repo / "refs"
+    refs = {
+        str(f.relative_to(refs_dir)): f.read_text().strip()
+        for f in (refs_dir.rglob("*") if refs_dir.is_dir() else [])
+        if f.is_file()
+    }
+    commit = refs.get(revision)
+    if commit is None:
+        matches = [c for c in available if c.startswith(revision)]
+        commit = matches[0] if len(matches) == 1 else None
+    snapshot = snapshots / commit if commit else None
+    if snapshot is None or not snapshot.is_dir():
+        known = sorted(refs) + available
+        raise ModelNotFoundError(
+            f"revision={revision!r} of {name!r} is not in the local Hugging Face cache "
+            f"({repo}); available: {known or 'none'}. batchlm never downloads; pass one of "
+            "those or copy the snapshot into the cache"
+        )
+    found = _model_in_folder(snapshot)
+    if found is None:
+        raise ModelNotFoundError(
+            f"snapshot {snapshot} of {name!r} (revision={revision!r}) has no config.json"
+        )
+    return found
 
 
 def _bundled(name: str) -> BundledModel | None:

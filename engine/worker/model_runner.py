@@ -16,15 +16,18 @@ import torch
 
 from ..attention.backend import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
-from ..core.scheduler import SchedulerOutput
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
-from .sampler import Sampler, SamplingMetadata
+from .sampler import Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
 # CPU default KV budget when neither kv_cache_memory_bytes nor num_gpu_blocks_override is set.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+# Most logits elements (rows × vocab) materialised at once when scoring prompt tokens.
+PROMPT_LOGITS_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -38,10 +41,52 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Logprobs of a run of consecutive prompt tokens, scored in one step (a prefill chunk).
+
+    Entry j is for prompt token `start + j`, scored by the logits at the position before it.
+    """
+
+    start: int
+    """Index in the prompt of the first token scored (>= 1: the first token has none)."""
+    logprobs: list[float]
+    ranks: list[int]
+    """Rank of each prompt token among all tokens at its position (1 = most likely)."""
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class StepLogprobs(dict[str, TokenLogprobs]):
+    """Request id → logprobs of the token sampled for it this step.
+
+    A dict, so the engine loop hands it to the output processor unchanged; it also carries
+    the step's other per-request results that the output processor assembles.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt: dict[str, PromptLogprobsChunk] = {}
+        """Request id → the prompt-logprob chunk computed this step."""
+        self.sampling_masks: dict[str, list[int]] = {}
+        """Request id → sorted ids of the tokens that survived filtering, when the runner's
+        `return_sampling_mask` is on."""
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     """Request id → the new token, for requests that reached their last token."""
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: StepLogprobs = field(default_factory=StepLogprobs)
+
+
+@dataclass
+class _PromptLogprobsJob:
+    """Where one request's prompt-logprob positions sit in the step's rows."""
+
+    request_id: str
+    start: int
+    num_positions: int
+    num_top: int
 
 
 class ModelRunner:
@@ -75,6 +120,8 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.model.seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(self.generator)
+        self.return_sampling_mask = False
+        """Return, per sampled token, the ids that survived filtering (set by the engine)."""
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -122,16 +169,26 @@ class ModelRunner:
         return num_blocks
 
     def _dummy_forward(self, num_tokens: int) -> None:
-        """A prefill of `num_tokens` tokens in one sequence with no cache, for profiling."""
-        self.initialize_kv_cache(-(-num_tokens // self.block_size))
-        from ..core.scheduler import ScheduledRequest
+        """A prefill of `num_tokens` tokens with no cache, for profiling: sequences of at most
+        max_model_len tokens (positions past it do not exist), each sampled once."""
         from ..sampling_params import SamplingParams
 
-        blocks = list(range(len(self.kv_caches[0][0])))
-        dummy = ScheduledRequest(
-            "__profile__", [0] * num_tokens, 0, blocks, True, SamplingParams(), []
-        )
-        self.execute_model(SchedulerOutput([dummy], num_tokens))
+        max_len = self.config.model.max_model_len
+        seq_lens = [max_len] * (num_tokens // max_len)
+        if num_tokens % max_len:
+            seq_lens.append(num_tokens % max_len)
+        blocks_per_seq = [-(-n // self.block_size) for n in seq_lens]
+        self.initialize_kv_cache(sum(blocks_per_seq))
+        params = SamplingParams()
+        dummies = []
+        first_block = 0
+        for i, (n, num_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+            blocks = list(range(first_block, first_block + num_blocks))
+            dummies.append(
+                ScheduledRequest(f"__profile{i}__", [0] * n, 0, blocks, True, params, [])
+            )
+            first_block += num_blocks
+        self.execute_model(SchedulerOutput(dummies, num_tokens))
         self.request_generators.clear()
         self.kv_caches = []
 
@@ -189,9 +246,15 @@ class ModelRunner:
         self.backend.prepare(metadata)
         hidden = self.model(_to(input_ids, dev), _to(positions, dev), self.kv_caches, metadata)
 
+        prompt_jobs, prompt_rows, prompt_targets = self._prompt_logprobs_rows(reqs, qsl)
+        prompt_result = (
+            self._score_prompt(hidden, prompt_rows, prompt_targets, prompt_jobs)
+            if prompt_jobs
+            else []
+        )
         sample_rows = [i for i, r in enumerate(reqs) if r.needs_sample]
         if not sample_rows:
-            return ModelRunnerOutput()
+            return self._to_host([], None, prompt_jobs, prompt_result)
         last_token = _to(qsl[1:][sample_rows] - 1, dev)
         logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab]
         sampled_reqs = [reqs[i] for i in sample_rows]
@@ -201,10 +264,77 @@ class ModelRunner:
             if gen is not None:
                 generators[row] = gen
         meta = SamplingMetadata.build(
-            [r.sampling_params for r in sampled_reqs], generators, self.vocab_size, dev
+            [r.sampling_params for r in sampled_reqs],
+            generators,
+            self.vocab_size,
+            dev,
+            output_token_ids=[r.output_token_ids for r in sampled_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sampled_reqs],
+            eos_token_ids=[r.eos_token_id for r in sampled_reqs],
+            return_sampling_mask=self.return_sampling_mask,
         )
         result = self.sampler(logits, meta)
-        return self._to_host(sampled_reqs, result)
+        return self._to_host(sampled_reqs, result, prompt_jobs, prompt_result)
+
+    # ---- prompt logprobs --------------------------------------------------------------
+
+    @staticmethod
+    def _prompt_logprobs_rows(
+        reqs: list[ScheduledRequest], qsl: np.ndarray
+    ) -> tuple[list[_PromptLogprobsJob], np.ndarray, np.ndarray]:
+        """The step's rows whose logits score a prompt token, and those tokens.
+
+        The logits at position p score token p + 1, so a chunk `[start, end)` scores the
+        prompt tokens `start + 1 .. min(end, num_prompt_tokens - 1)`.
+        """
+        jobs: list[_PromptLogprobsJob] = []
+        rows: list[np.ndarray] = []
+        targets: list[list[int]] = []
+        for i, r in enumerate(reqs):
+            k = r.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            end = min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1)
+            n = end - r.start_pos
+            if n <= 0:
+                continue
+            jobs.append(_PromptLogprobsJob(r.request_id, r.start_pos + 1, n, k))
+            rows.append(qsl[i] + np.arange(n))
+            targets.append(r.prompt_token_ids[r.start_pos + 1 : end + 1])
+        if not jobs:
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+        flat_targets = np.fromiter((t for ts in targets for t in ts), np.int64)
+        return jobs, np.concatenate(rows), flat_targets
+
+    def _score_prompt(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rows: np.ndarray,  # [num_positions]
+        targets: np.ndarray,  # [num_positions]
+        jobs: list[_PromptLogprobsJob],
+    ) -> list[torch.Tensor]:
+        """Logprob and rank of each target token, and the top-k, from the raw logits.
+
+        Computed in slices of rows so the `[rows, vocab]` logits stay bounded whatever the
+        chunk length. Returns `[logprobs, ranks]` plus `[top_ids, top_logprobs]` when a job
+        wants k > 0.
+        """
+        dev = self.device
+        max_k = max(job.num_top for job in jobs)
+        rows_t, targets_t = _to(rows, dev), _to(targets, dev)
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        parts: list[list[torch.Tensor]] = []
+        for lo in range(0, len(rows), step):
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[rows_t[lo : lo + step]]), dim=-1
+            )  # [n, vocab]
+            target_lp = logprobs.gather(1, targets_t[lo : lo + step, None]).squeeze(1)
+            part = [target_lp, (logprobs > target_lp[:, None]).sum(-1) + 1]
+            if max_k:
+                top = logprobs.topk(max_k, dim=-1)
+                part += [top.indices, top.values]
+            parts.append(part)
+        return [torch.cat(column) for column in zip(*parts, strict=True)]
 
     def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -215,21 +345,49 @@ class ModelRunner:
             self.request_generators[request_id] = gen
         return gen
 
-    def _to_host(self, reqs, result) -> ModelRunnerOutput:
-        # One transfer for everything the host needs from this step.
-        tensors = [result.sampled_token_ids]
-        if result.sampled_logprobs is not None:
-            tensors += [result.sampled_logprobs, result.sampled_ranks]
-        if result.topk_token_ids is not None:
-            tensors += [result.topk_token_ids, result.topk_logprobs]
-        host = [t.cpu() for t in tensors]
-        ids = host[0].tolist()
-        out = ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, ids, strict=True)})
-        if result.sampled_logprobs is None:
+    def _to_host(
+        self,
+        reqs: list[ScheduledRequest],
+        result: SamplerOutput | None,
+        prompt_jobs: list[_PromptLogprobsJob],
+        prompt_result: list[torch.Tensor],
+    ) -> ModelRunnerOutput:
+        # One device → host transfer for everything the host needs from this step.
+        named: dict[str, torch.Tensor] = {}
+        if result is not None:
+            named["ids"] = result.sampled_token_ids
+            if result.sampled_logprobs is not None:
+                named["lp"], named["ranks"] = result.sampled_logprobs, result.sampled_ranks
+            if result.topk_token_ids is not None:
+                named["top_ids"], named["top_lp"] = result.topk_token_ids, result.topk_logprobs
+            if result.sampling_mask_bits is not None:
+                named["mask_bits"] = result.sampling_mask_bits
+        for i, t in enumerate(prompt_result):
+            named[f"prompt{i}"] = t
+        host = dict(zip(named, _copy_to_host(list(named.values())), strict=True))
+
+        out = ModelRunnerOutput()
+        if prompt_jobs:
+            prompt_host = [host[f"prompt{i}"] for i in range(len(prompt_result))]
+            _unpack_prompt_logprobs(prompt_jobs, prompt_host, out.logprobs)
+        if result is None:
             return out
-        lp, ranks = host[1].tolist(), host[2].tolist()
-        top_ids = host[3].tolist() if len(host) > 3 else None
-        top_lp = host[4].tolist() if len(host) > 3 else None
+        ids = host["ids"].tolist()
+        out.sampled = {r.request_id: t for r, t in zip(reqs, ids, strict=True)}
+        if self.return_sampling_mask:
+            if "mask_bits" in host:
+                bits = np.unpackbits(host["mask_bits"].numpy(), axis=1, bitorder="little")
+                masks = [np.flatnonzero(row[: self.vocab_size]).tolist() for row in bits]
+            else:  # every row greedy: the mask is the argmax alone
+                masks = [[t] for t in ids]
+            out.logprobs.sampling_masks = {
+                r.request_id: m for r, m in zip(reqs, masks, strict=True)
+            }
+        if "lp" not in host:
+            return out
+        lp, ranks = host["lp"].tolist(), host["ranks"].tolist()
+        top_ids = host["top_ids"].tolist() if "top_ids" in host else None
+        top_lp = host["top_lp"].tolist() if "top_lp" in host else None
         for i, r in enumerate(reqs):
             k = r.sampling_params.logprobs
             if k is None:
@@ -241,6 +399,37 @@ class ModelRunner:
                 top_lp[i][:k] if top_lp else [],
             )
         return out
+
+
+def _unpack_prompt_logprobs(
+    jobs: list[_PromptLogprobsJob], host: list[torch.Tensor], out: StepLogprobs
+) -> None:
+    """Split the step's prompt-logprob rows (`[logprobs, ranks, top_ids?, top_logprobs?]`,
+    in job order) into one chunk per request."""
+    lp, ranks = host[0].tolist(), host[1].tolist()
+    top_ids = host[2].tolist() if len(host) > 2 else None
+    top_lp = host[3].tolist() if len(host) > 2 else None
+    lo = 0
+    for job in jobs:
+        hi, k = lo + job.num_positions, job.num_top
+        out.prompt[job.request_id] = PromptLogprobsChunk(
+            start=job.start,
+            logprobs=lp[lo:hi],
+            ranks=ranks[lo:hi],
+            top_ids=[row[:k] for row in top_ids[lo:hi]] if top_ids else [[] for _ in lp[lo:hi]],
+            top_logprobs=[row[:k] for row in top_lp[lo:hi]] if top_lp else [[] for _ in lp[lo:hi]],
+        )
+        lo = hi
+
+
+def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy device tensors to the host with a single wait for the device."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    # Non-blocking copies from CUDA land in pinned memory; one sync covers them all.
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

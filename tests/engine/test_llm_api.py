@@ -1,0 +1,243 @@
+"""The `LLM` surface beyond plain generate: the queue API, n > 1, constructor options,
+and a matrix of bad inputs after each of which the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from batchlm.engine import LLM, SamplingParams
+from batchlm.engine.errors import (
+    InvalidParamError,
+    InvalidPromptError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = ["red green blue", "one two three four five", "the quick brown fox", "hello"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    return LLM(str(llama), max_model_len=128)
+
+
+def token_ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_queue_api_matches_generate(llm):
+    expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    first = llm.enqueue(PROMPTS[:2], GREEDY)
+    second = llm.enqueue(PROMPTS[2:], [GREEDY, GREEDY])
+    assert len(set(first + second)) == 4
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == first + second
+    assert token_ids(outs) == token_ids(expected)
+    assert llm.wait_for_completion(use_tqdm=False) == []
+
+
+def test_generate_while_requests_are_enqueued(llm):
+    queued = llm.enqueue(PROMPTS[:2], GREEDY)
+    now = llm.generate(PROMPTS[2:], GREEDY, use_tqdm=False)
+    later = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in later] == queued
+    expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(later + now) == token_ids(expected)
+
+
+def test_n_samples_are_independent_seeded_and_share_the_prompt(llama):
+    llm = LLM(str(llama), max_model_len=128, enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": list(range(100, 164))}  # 64 tokens = 4 full blocks
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    samples = [c.token_ids for c in out.outputs]
+    assert len({tuple(s) for s in samples}) == 4  # independent draws differ
+    # Siblings reuse the first one's blocks: 3 siblings x 3 full blocks (the last prompt
+    # token is always recomputed) even though prefix caching is off.
+    assert llm.llm_engine.stats().prefix_cache_hits == 3 * 48
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+    # The sharing stays private to one prompt's samples.
+    hits = llm.llm_engine.stats().prefix_cache_hits
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.stats().prefix_cache_hits == hits
+    # Sample i with seed s equals a single request seeded s + i.
+    single = SamplingParams(temperature=1.0, seed=13, max_tokens=8, ignore_eos=True)
+    assert llm.generate([prompt], single, use_tqdm=False)[0].outputs[0].token_ids == samples[2]
+    assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.num_kv_blocks
+
+
+def test_unknown_option_is_a_type_error_listing_valid_ones(llama):
+    with pytest.raises(TypeError, match="max_num_seq.*valid ones.*max_num_seqs"):
+        LLM(str(llama), max_num_seq=4)
+
+
+def test_dtype_auto_is_float32_on_cpu(llm):
+    assert llm.llm_engine.config.model.dtype == torch.float32
+
+
+def test_revision_picks_a_local_snapshot(llama, tmp_path, monkeypatch):
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    for rev, commit in (("main", "a" * 40), ("v2", "b" * 40)):
+        shutil.copytree(llama, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / rev).write_text(commit)
+    # Make the v2 snapshot distinguishable: a different max_position_embeddings.
+    cfg_path = repo / "snapshots" / ("b" * 40) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = 96
+    cfg_path.write_text(json.dumps(cfg))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert LLM("acme/tiny").llm_engine.config.model.max_model_len == 256
+    assert LLM("acme/tiny", revision="v2").llm_engine.config.model.max_model_len == 96
+    assert LLM("acme/tiny", revision="bbbbbbb").llm_engine.config.model.max_model_len == 96
+    with pytest.raises(ModelNotFoundError, match="revision='v3'.*available.*main.*v2"):
+        LLM("acme/tiny", revision="v3")
+
+
+def test_skip_tokenizer_init_serves_token_ids_only(llama, llm):
+    bare = LLM(str(llama), max_model_len=128, skip_tokenizer_init=True)
+    assert bare.get_tokenizer() is None
+    ids = llm.get_tokenizer()(PROMPTS[0])["input_ids"]
+    out = bare.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0].outputs[0]
+    expected = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and out.text == ""
+    with pytest.raises(InvalidPromptError, match="skip_tokenizer_init"):
+        bare.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+
+
+def test_remote_code_checkpoint_is_refused(llama, tmp_path):
+    folder = tmp_path / "custom"
+    shutil.copytree(llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="acme-net", architectures=["AcmeForCausalLM"])
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="never runs code"):
+        LLM(str(folder), trust_remote_code=True)
+
+
+def test_truncate_prompt_tokens_keeps_the_end(llm):
+    ids = list(range(200, 260))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=10
+    )
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-10:]
+    plain = llm.generate([{"prompt_token_ids": ids[-10:]}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids[:4]
+
+
+def test_reset_prefix_cache(llm):
+    llm.generate([{"prompt_token_ids": list(range(300, 340))}], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.kv_cache.pool.cached
+    assert llm.reset_prefix_cache() is True
+    assert not llm.llm_engine.kv_cache.pool.cached
+
+
+BAD_INPUTS = [
+    ("empty string", lambda: ([""], None), InvalidPromptError, r"prompts\[0\] is empty"),
+    ("empty ids", lambda: ([{"prompt_token_ids": []}], None), InvalidPromptError, "empty"),
+    (
+        "too long",
+        lambda: (["ok", {"prompt_token_ids": [5] * 129}], None),
+        InvalidPromptError,
+        r"prompts\[1\] has 129 tokens.*max_model_len=128",
+    ),
+    (
+        "id outside vocab",
+        lambda: ([{"prompt_token_ids": [1, 49152]}], None),
+        InvalidPromptError,
+        "token id 49152 outside the vocabulary",
+    ),
+    (
+        "negative id",
+        lambda: ([{"prompt_token_ids": [-1]}], None),
+        InvalidPromptError,
+        "token id -1",
+    ),
+    ("int prompt", lambda: ([42], None), InvalidPromptError, r"prompts\[0\] is a int"),
+    ("dict without prompt", lambda: ([{"text": "x"}], None), InvalidPromptError, "needs 'prompt'"),
+    (
+        "ids not ints",
+        lambda: ([{"prompt_token_ids": ["a"]}], None),
+        InvalidPromptError,
+        "list of ints",
+    ),
+    (
+        "params count mismatch",
+        lambda: (["a", "b"], [GREEDY]),
+        InvalidParamError,
+        "got 1 sampling_params for 2 prompts",
+    ),
+    (
+        "params wrong type",
+        lambda: (["a"], {"temperature": 0}),
+        InvalidParamError,
+        "SamplingParams",
+    ),
+    (
+        "stop token outside vocab",
+        lambda: (["a"], SamplingParams(stop_token_ids=[10**6])),
+        InvalidParamError,
+        "stop_token_ids",
+    ),
+    (
+        "logit bias outside vocab",
+        lambda: (["a"], SamplingParams(logit_bias={10**6: 1.0})),
+        InvalidParamError,
+        "logit_bias",
+    ),
+    (
+        "allowed ids outside vocab",
+        lambda: (["a"], SamplingParams(allowed_token_ids=[10**6])),
+        InvalidParamError,
+        "allowed_token_ids",
+    ),
+    (
+        "truncation over max len",
+        lambda: (["a"], SamplingParams(truncate_prompt_tokens=1000)),
+        InvalidParamError,
+        "truncate_prompt_tokens=1000",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_and_the_engine_keeps_serving(llm, name, make, exc, match):
+    prompts, params = make()
+    with pytest.raises(exc, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(["still serving"], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -1}, "temperature=-1"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"top_p": 0}, "top_p=0"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"n": 0}, "n=0"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens=5"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs=-1"),
+    ],
+)
+def test_bad_sampling_params_raise_at_construction(kwargs, match):
+    with pytest.raises(InvalidParamError, match=match):
+        SamplingParams(**kwargs)

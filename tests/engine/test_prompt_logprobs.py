@@ -1,0 +1,122 @@
+"""prompt_logprobs equal Hugging Face's log-softmax over the prompt, whatever chunked
+prefill, prefix caching and preemption do to the schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchlm.engine import LLM, SamplingParams
+
+from .hf_reference import hf_greedy, load_hf
+
+ATOL = 1e-4
+WORDS = (
+    "river stone glass winter orange planet quiet signal market garden thunder paper "
+    "silver engine forest window lantern castle ribbon copper meadow violin harbor"
+).split()
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def make_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Prompts of exactly the given token counts."""
+    prompts = []
+    for i, n in enumerate(lengths):
+        text = " ".join(WORDS[(i + 5 * j) % len(WORDS)] for j in range(n))
+        prompts.append(tokenizer(text)["input_ids"][:n])
+        assert len(prompts[-1]) == n
+    return prompts
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
+    """`[len(prompt) - 1, vocab]`: row j is the distribution of prompt token j + 1."""
+    logits = load_hf(path)(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check(path: str, prompt: list[int], got, k: int) -> None:
+    """`got` (RequestOutput.prompt_logprobs) against HF, tolerant of near ties."""
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    ref = hf_prompt_logprobs(path, prompt)
+    for pos in range(1, len(prompt)):
+        row, token, entry = ref[pos - 1], prompt[pos], got[pos]
+        assert token in entry
+        assert len(entry) in (k, k + 1) if k else len(entry) == 1
+        lp = entry[token]
+        assert abs(lp.logprob - row[token].item()) < ATOL, (pos, lp, row[token])
+        # The rank counts strictly better tokens; near ties may land either way.
+        lo = int((row > row[token] + ATOL).sum()) + 1
+        hi = int((row > row[token] - ATOL).sum()) + 1
+        assert lo <= lp.rank <= hi, (pos, lp.rank, lo, hi)
+        top = sorted(
+            (e for t, e in entry.items() if t != token or e.rank <= k), key=lambda e: e.rank
+        )
+        assert [e.rank for e in top] == list(range(1, k + 1))
+        torch.testing.assert_close(
+            torch.tensor([e.logprob for e in top]), row.topk(k).values, atol=ATOL, rtol=0
+        )
+        for t, e in entry.items():
+            assert abs(e.logprob - row[t].item()) < ATOL
+
+
+def test_prompt_logprobs_with_chunked_prefill(path):
+    llm = LLM(path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
+    prompts = make_prompts(llm.get_tokenizer(), [1, 2, 17, 40, 63, 30])
+    scheduler = llm.llm_engine.scheduler
+    original = scheduler.schedule
+    partial: list[str] = []
+
+    def schedule():
+        out = original()
+        partial.extend(s.request_id for s in out.scheduled if not s.needs_sample)
+        return out
+
+    scheduler.schedule = schedule
+    ks = [0, 3, 5, 0, 2, 5]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=k)
+        for k in ks
+    ]
+    # A request without prompt logprobs in the same batch gets none.
+    params[3] = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert partial, "no prompt was chunked"
+    for prompt, out, k, p in zip(prompts, outs, ks, params, strict=True):
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            check(path, prompt, out.prompt_logprobs, k)
+    # Scoring the prompt does not disturb generation.
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(path):
+    llm = LLM(path, max_model_len=128, enable_prefix_caching=True, seed=0)
+    prompts = make_prompts(llm.get_tokenizer(), [50, 37])
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in again), "the prompts are cached"
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.num_cached_tokens == 0
+        check(path, prompt, out.prompt_logprobs, 4)
+
+
+def test_prompt_logprobs_survive_preemption(path):
+    # 8 blocks of 16 tokens for four ~40-token prompts growing by 30 tokens: the scheduler
+    # preempts and recomputes prompts whose logprobs were already sent.
+    llm = LLM(path, max_model_len=128, num_gpu_blocks_override=8, max_num_batched_tokens=32)
+    prompts = make_prompts(llm.get_tokenizer(), [40, 41, 42, 43])
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        check(path, prompt, out.prompt_logprobs, 2)
