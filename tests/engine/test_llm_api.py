@@ -241,3 +241,18 @@ def test_bad_input_raises_and_the_engine_keeps_serving(llm, name, make, exc, mat
 def test_bad_sampling_params_raise_at_construction(kwargs, match):
     with pytest.raises(InvalidParamError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_constructor_chat_template_from_file(llama, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    llm = LLM(str(llama), max_model_len=128, chat_template=str(template))
+    out = llm.chat([{"role": "user", "content": "hi there"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "[user] hi there\n[assistant]"
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
+    with pytest.raises(InvalidParamError):
+        LLM(str(llama), max_model_len=128, chat_template=str(tmp_path / "missing.jinja"))

@@ -158,3 +158,33 @@ def test_outputs_in_input_order_with_logprobs(llm):
             assert token_id in entry and 3 <= len(entry) <= 4
             ranks = sorted(lp.rank for t, lp in entry.items() if t != token_id or lp.rank <= 3)
             assert ranks[:3] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_straddling_a_token_boundary(llm, include):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = llm.generate([PROMPTS[2]], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # A stop string made of the end of token k and the start of token k + 1 (as decoded in
+    # context), occurring nowhere earlier: no single token contains it.
+    for k in range(2, 10):
+        before, upto, after = (tok.decode(base.token_ids[:i]) for i in (k, k + 1, k + 2))
+        if len(upto) - len(before) < 2 or len(after) - len(upto) < 2:
+            continue
+        stop = after[len(upto) - 2 : len(upto) + 2]
+        if base.text.find(stop) == len(upto) - 2:
+            break
+    else:
+        pytest.fail("no token boundary to straddle in the reference output")
+    cut = len(upto) - 2
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
+    out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == base.text[: cut + (len(stop) if include else 0)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == base.token_ids[: k + 2]
