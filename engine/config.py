@@ -49,6 +49,10 @@ class ModelConfig:
     """Run without a tokenizer: prompts must be token ids and outputs carry no text."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's (`LLM(chat_template=...)`)."""
+    runner_type: str = "generate"
+    """`generate` (KV cache, scheduler, sampler) or `pooling` (embed / classify / score)."""
+    convert: str = "auto"
+    """For pooling: `embed` or `classify` turns a generative checkpoint into that task."""
 
     @property
     def architecture(self) -> str:

@@ -54,6 +54,8 @@ class EngineArgs:
     chat_template: str | None = None
     disable_log_stats: bool = False
     return_sampling_mask: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -77,7 +79,11 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, config_torch_dtype(hf_config), device)
         if self.dtype == "auto" and device.type == "cpu":
             logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
+        runner_type = self._runner_type(hf_config)
         derived_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        if getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
+            # Positions start after the padding index.
+            derived_len -= int(getattr(hf_config, "pad_token_id", 1) or 1) + 1
         max_model_len = self.max_model_len or derived_len
         if max_model_len > derived_len and not _allows_longer(hf_config):
             raise InvalidParamError(
@@ -110,6 +116,8 @@ class EngineArgs:
                 revision=self.revision,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 chat_template=self._chat_template(),
+                runner_type=runner_type,
+                convert=self.convert,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -132,6 +140,33 @@ class EngineArgs:
             disable_log_stats=self.disable_log_stats,
             return_sampling_mask=self.return_sampling_mask,
         )
+
+    def _runner_type(self, hf_config: Any) -> str:
+        from .errors import UnsupportedModelError
+        from .models.registry import is_generative, pooling_task_of
+
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise InvalidParamError(
+                f"runner={self.runner!r} is unknown; use 'auto', 'generate' or 'pooling'"
+            )
+        if self.convert not in ("auto", "none", "embed", "classify"):
+            raise InvalidParamError(
+                f"convert={self.convert!r} is unknown; use 'auto', 'none', 'embed' or 'classify'"
+            )
+        archs = getattr(hf_config, "architectures", None) or []
+        arch = archs[0] if archs else ""
+        generative = is_generative(arch)
+        runner = self.runner
+        if runner == "auto":
+            runner = "generate" if generative and self.convert in ("auto", "none") else "pooling"
+        if runner == "generate" and not generative:
+            raise UnsupportedModelError(
+                f"{arch or 'this model'} cannot generate text; load it with runner='pooling' "
+                "(or runner='auto') and call embed / classify / score / encode"
+            )
+        if runner == "pooling":
+            pooling_task_of(arch, self.convert)  # raises with how to load it otherwise
+        return runner
 
     def _tokenizer_path(self, model_path: Path) -> Path:
         if not self.tokenizer:

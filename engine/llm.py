@@ -15,8 +15,20 @@ from .engine_args import EngineArgs
 from .errors import InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
+from .worker.pooling_runner import PoolingInput, PoolingRunner
 
 
 class LLM:
@@ -67,6 +79,7 @@ class LLM:
         Every prompt and parameter is validated before any request starts, so a bad input
         raises without running (or losing) the others.
         """
+        self._require_generation("generate")
         request_ids = self._add_prompts(prompts, sampling_params)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -80,6 +93,7 @@ class LLM:
 
         `wait_for_completion()` runs the engine and returns every enqueued request's output.
         """
+        self._require_generation("enqueue")
         request_ids = self._add_prompts(prompts, sampling_params)
         self._enqueued.extend(request_ids)
         return request_ids
@@ -159,6 +173,224 @@ class LLM:
         """
         return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
 
+    # ---- pooling ----------------------------------------------------------------------
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order.
+
+        Example:
+            >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
+            >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
+        """
+        runner = self._pooling_runner("embed", "embed")
+        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+        vectors = runner.embed(inputs, params)
+        return [
+            EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v.tolist()), x.token_ids)
+            for v, x in zip(vectors, inputs, strict=True)
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
+        runner = self._pooling_runner("classify", "classify")
+        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+        probs = runner.classify(inputs, params)
+        return [
+            ClassificationRequestOutput(
+                self._next_id(), ClassificationOutput(p.tolist()), x.token_ids
+            )
+            for p, x in zip(probs, inputs, strict=True)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair: 1↔1, 1↔N (data_1 is broadcast) or N↔N.
+
+        A cross-encoder (a classifier with one label) reads each pair together and applies
+        its sigmoid; an embedding model scores the cosine of the two embeddings.
+        """
+        runner = self._pooling_runner("score", None)
+        left, right = _score_pairs(data_1, data_2)
+        params = pooling_params or PoolingParams()
+        if runner.task == "classify":
+            if runner.num_labels != 1:
+                raise InvalidParamError(
+                    f"score() needs a cross-encoder with one label; this classifier has "
+                    f"{runner.num_labels} labels: use classify() instead"
+                )
+            tokenizer = self._require_tokenizer("score")
+            max_len = self._max_input_len(truncate_prompt_tokens)
+            encoded = tokenizer(
+                list(left),
+                list(right),
+                truncation="longest_first" if max_len else False,
+                max_length=max_len,
+            )
+            types = encoded.get("token_type_ids")
+            inputs = [
+                PoolingInput(list(ids), list(types[i]) if types is not None else None)
+                for i, ids in enumerate(encoded["input_ids"])
+            ]
+            for i, x in enumerate(inputs):
+                self._check_pooling_input(i, x.token_ids, None)
+            values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
+        else:
+            texts = list(dict.fromkeys([*left, *right]))
+            text_inputs, _ = self._pooling_inputs(texts, None, truncate_prompt_tokens)
+            unit = [PoolingParams(normalize=True)] * len(text_inputs)
+            vectors = dict(zip(texts, runner.embed(text_inputs, unit), strict=True))
+            values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
+            by_text = dict(zip(texts, text_inputs, strict=True))
+            inputs = [by_text[a] for a in left]  # the query side's tokens
+        return [
+            ScoringRequestOutput(self._next_id(), ScoringOutput(v), x.token_ids)
+            for v, x in zip(values, inputs, strict=True)
+        ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "embed",
+    ) -> list[PoolingRequestOutput]:
+        """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
+        `classify` or `token_embed` (every token's final hidden state)."""
+        if pooling_task not in ("embed", "classify", "token_embed"):
+            raise InvalidParamError(
+                f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
+                "'token_embed'"
+            )
+        runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
+        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+        if pooling_task == "embed":
+            data = runner.embed(inputs, params)
+        elif pooling_task == "classify":
+            data = runner.classify(inputs, params)
+        else:
+            data = runner.token_embed(inputs)
+        return [
+            PoolingRequestOutput(self._next_id(), PoolingOutput(d), x.token_ids)
+            for d, x in zip(data, inputs, strict=True)
+        ]
+
+    def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
+        runner = self.llm_engine.pooling_runner
+        if runner is None:
+            raise InvalidParamError(
+                f"{method}() needs a pooling model, but this one was loaded to generate; "
+                f"load it with LLM(model, runner='pooling') (a generative checkpoint pools its "
+                "last token: convert='embed')"
+            )
+        if task is not None and runner.task != task:
+            hint = (
+                "load a *ForSequenceClassification checkpoint"
+                if task == "classify"
+                else "use classify() or score() with this classifier"
+            )
+            raise InvalidParamError(
+                f"{method}() needs a model that can {task}, but this one does {runner.task}; "
+                + hint
+            )
+        return runner
+
+    def _max_input_len(self, truncate_prompt_tokens: int | None) -> int | None:
+        """Where inputs are cut: the explicit request, else sentence-transformers' length."""
+        runner = self.llm_engine.pooling_runner
+        max_len = self.llm_engine.config.model.max_model_len
+        if truncate_prompt_tokens is not None:
+            keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if keep > max_len:
+                raise InvalidParamError(
+                    f"truncate_prompt_tokens={keep} exceeds the model's maximum {max_len}"
+                )
+            return keep
+        return runner.max_seq_length if runner is not None else None
+
+    def _pooling_inputs(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        truncate_prompt_tokens: int | None,
+    ) -> tuple[list[PoolingInput], list[PoolingParams]]:
+        prompt_dicts = normalize_prompts(prompts)
+        n = len(prompt_dicts)
+        if pooling_params is None:
+            params = [PoolingParams()] * n
+        elif isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * n
+        else:
+            params = list(pooling_params)
+            if len(params) != n or not all(isinstance(p, PoolingParams) for p in params):
+                raise InvalidParamError(
+                    f"pooling_params must be one PoolingParams or a list of {n} of them"
+                )
+        truncate = truncate_prompt_tokens
+        if truncate is None:
+            explicit = {p.truncate_prompt_tokens for p in params} - {None}
+            truncate = max(explicit) if explicit else None
+        max_len = self._max_input_len(truncate)
+        texts = [
+            (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
+        ]
+        ids: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
+        if texts:
+            tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
+            runner = self.llm_engine.pooling_runner
+            batch = [t.lower() if runner.do_lower_case else t for _, t in texts]
+            encoded = tokenizer(batch, truncation=max_len is not None, max_length=max_len)[
+                "input_ids"
+            ]
+            for (i, _), tokens in zip(texts, encoded, strict=True):
+                ids[i] = list(tokens)
+        inputs = []
+        for i, tokens in enumerate(ids):
+            if tokens is not None and max_len is not None and "prompt_token_ids" in prompt_dicts[i]:
+                tokens = tokens[-max_len:] if truncate is not None else tokens
+            self._check_pooling_input(i, tokens, truncate)
+            inputs.append(PoolingInput(tokens))
+        return inputs, params
+
+    def _check_pooling_input(self, index: int, ids: list[int], truncate: int | None) -> None:
+        max_len = self.llm_engine.config.model.max_model_len
+        if not ids:
+            raise InvalidPromptError(
+                f"prompts[{index}] is empty; an input needs at least one token"
+            )
+        if len(ids) > max_len:
+            raise InvalidPromptError(
+                f"prompts[{index}] has {len(ids)} tokens, more than the model's maximum "
+                f"{max_len}; shorten it or pass truncate_prompt_tokens"
+            )
+        vocab = self.llm_engine.vocab_size
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise InvalidPromptError(
+                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
+            )
+
+    def _next_id(self) -> str:
+        return str(next(self._request_counter))
+
     # ---- internals --------------------------------------------------------------------
 
     def _chat_prompts(
@@ -191,6 +423,14 @@ class LLM:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return prompts
+
+    def _require_generation(self, method: str) -> None:
+        if self.llm_engine.pooling_runner is not None:
+            raise InvalidParamError(
+                f"{method}() needs a generative model, but this one was loaded for pooling "
+                f"({self.llm_engine.pooling_runner.task}); use embed / classify / score / "
+                "encode, or load a *ForCausalLM checkpoint with runner='generate'"
+            )
 
     def _require_tokenizer(self, what: str) -> Any:
         tokenizer = self.llm_engine.tokenizer
@@ -245,7 +485,7 @@ class LLM:
             )
         # Vocabulary-dependent checks, once per distinct params object.
         tokenizer = self.llm_engine.tokenizer
-        vocab = self.llm_engine.runner.vocab_size
+        vocab = self.llm_engine.vocab_size
         for params in {id(p): p for p in params_list}.values():
             if params.bad_words:
                 params.resolve_bad_words(self._require_tokenizer("bad_words"))
@@ -286,7 +526,7 @@ class LLM:
                 f"prompts[{index}] has {len(ids)} tokens, more than max_model_len={max_len}; "
                 "shorten it, raise max_model_len, or set truncate_prompt_tokens"
             )
-        vocab = self.llm_engine.runner.vocab_size
+        vocab = self.llm_engine.vocab_size
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise InvalidPromptError(
@@ -330,3 +570,23 @@ class LLM:
             if pending:  # interrupted: leave no request holding KV blocks
                 engine.abort_requests(sorted(pending))
         return [results[rid] for rid in request_ids]
+
+
+def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):
+    """Expand score() inputs to two equal-length lists of texts."""
+    left = [data_1] if isinstance(data_1, str) else list(data_1)
+    right = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, items in (("data_1", left), ("data_2", right)):
+        if not items:
+            raise InvalidPromptError(f"{name} is empty; pass a string or a non-empty list")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise InvalidPromptError(f"{name}[{i}] is a {type(item).__name__}, not a string")
+    if len(left) == 1 and len(right) > 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise InvalidPromptError(
+            f"score() got {len(left)} texts in data_1 and {len(right)} in data_2; pass one "
+            "against many (1 and N) or equal-length lists (N and N)"
+        )
+    return left, right

@@ -17,6 +17,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
 from .worker.model_runner import ModelRunner
+from .worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ class LLMEngine:
             if mc.skip_tokenizer_init
             else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
         )
+        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
+        self.vocab_size = int(mc.hf_config.vocab_size)
+        self.pooling_runner: PoolingRunner | None = None
+        if mc.runner_type == "pooling":
+            self.pooling_runner = PoolingRunner(config)
+            return
         self.runner = ModelRunner(config)
         self.runner.return_sampling_mask = config.return_sampling_mask
         num_blocks = self.runner.determine_num_blocks()
@@ -61,7 +68,6 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_len)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
         self._arrivals = itertools.count()
         self._parents: dict[str, _ParentRequest] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
@@ -132,7 +138,7 @@ class LLMEngine:
             self._stash.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.pooling_runner is None and self.scheduler.has_unfinished_requests()
 
     def stash_output(self, output: RequestOutput) -> None:
         """Keep a finished output that no caller is waiting for yet."""

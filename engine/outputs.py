@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,3 +62,55 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: object | None = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    """Class probabilities (raw logits with use_activation=False)."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingOutput:
+    data: Any
+    """A torch tensor: `[hidden]` / `[num_labels]` per sequence, `[num_tokens, ...]` per token."""
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One input's pooling result (`outputs` is the task's output type)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`outputs` is an `EmbeddingOutput`."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`outputs` is a `ClassificationOutput`."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`outputs` is a `ScoringOutput`."""

@@ -71,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
         fresh, paged = [], []
         for i in range(metadata.num_seqs):
             q_len = qsl[i + 1] - qsl[i]
-            if q_len > 1 and q_len == seq_lens[i]:
+            if q_len == seq_lens[i]:
                 fresh.append((qsl[i], qsl[i + 1]))
             else:
                 paged.append(i)
@@ -137,9 +137,15 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.backend_data  # type: ignore[assignment]
+        out = torch.empty_like(query)
+        if kv_cache is None:  # cache-less forward (pooling): every sequence is fresh
+            for start, end in plan.fresh:
+                out[start:end] = _causal_attention(
+                    query[start:end], key[start:end], value[start:end], scale, sliding_window
+                )
+            return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         write_paged_kv_ref(key, value, key_cache, value_cache, metadata.slot_mapping)
-        out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         for start, end in plan.fresh:
             out[start:end] = _causal_attention(

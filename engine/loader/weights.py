@@ -18,7 +18,12 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+    "embeddings.position_ids",  # a buffer older BERT checkpoints saved
+)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -59,9 +64,14 @@ def load_weights(
     modules = dict(model.named_modules())
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     filled: set[str] = set()
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if (
+            name.endswith(_IGNORED_SUFFIXES)
+            or (tied and name == "lm_head.weight")
+            or (ignored_prefixes and name.startswith(ignored_prefixes))
+        ):
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
@@ -125,5 +135,6 @@ def build_model(
         if callable(reset):
             reset()
     with torch.no_grad():
-        load_weights(model, iter_checkpoint(folder), getattr(model_cls, "packed_modules", {}))
+        packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
+        load_weights(model, iter_checkpoint(folder), packed)
     return model.eval()

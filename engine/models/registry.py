@@ -30,3 +30,79 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         )
     module = importlib.import_module(f"{__package__}.{entry[0]}")
     return getattr(module, entry[1])
+
+
+# Encoder architectures served by the pooling runner: architecture → (module, class, task).
+_POOLING: dict[str, tuple[str, str, str]] = {
+    "BertModel": ("bert", "BertModel", "embed"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification", "classify"),
+    "XLMRobertaModel": ("xlm_roberta", "XLMRobertaModel", "embed"),
+    "XLMRobertaForSequenceClassification": (
+        "xlm_roberta",
+        "XLMRobertaForSequenceClassification",
+        "classify",
+    ),
+}
+# Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class.
+_DECODER_CLASSIFIERS = {
+    arch.replace("ForCausalLM", "ForSequenceClassification"): arch for arch in _GENERATIVE
+}
+
+
+def is_generative(architecture: str) -> bool:
+    return architecture in _GENERATIVE
+
+
+def pooling_task_of(architecture: str, convert: str) -> str:
+    """`embed` or `classify`: what a pooling model of `architecture` does.
+
+    Raises:
+        UnsupportedModelError: the architecture cannot pool, or `convert` asks for a task it
+            cannot do; the message says how to load it instead.
+    """
+    if architecture in _POOLING:
+        task = _POOLING[architecture][2]
+        if convert not in ("auto", "none", task):
+            raise UnsupportedModelError(
+                f"convert={convert!r} does not apply to {architecture}, which is a {task} model; "
+                "use convert='auto'"
+            )
+        return task
+    if architecture in _DECODER_CLASSIFIERS:
+        return "classify"
+    if architecture in _GENERATIVE:
+        if convert in ("auto", "embed"):
+            return "embed"
+        raise UnsupportedModelError(
+            f"{architecture} has no classification head, so convert={convert!r} cannot be "
+            "served; use convert='embed' (last-token embeddings) or a "
+            f"{architecture.replace('ForCausalLM', 'ForSequenceClassification')} checkpoint"
+        )
+    supported = sorted([*_POOLING, *_DECODER_CLASSIFIERS, *_GENERATIVE])
+    raise UnsupportedModelError(
+        f"architecture {architecture!r} cannot be used for pooling; supported: "
+        f"{', '.join(supported)}"
+    )
+
+
+def build_pooling_model_kwargs(
+    architecture: str, config, backend, max_position: int
+) -> tuple[type, dict]:
+    """The class to build for a pooling model and its constructor arguments."""
+    if architecture in _POOLING:
+        module_name, cls_name, _ = _POOLING[architecture]
+        module = importlib.import_module(f"{__package__}.{module_name}")
+        return getattr(module, cls_name), {"config": config}
+    from .decoder_pooling import DecoderForPooling
+
+    generative = _DECODER_CLASSIFIERS.get(architecture, architecture)
+    num_labels = None
+    if architecture in _DECODER_CLASSIFIERS:
+        num_labels = int(getattr(config, "num_labels", 2))
+    return DecoderForPooling, {
+        "config": config,
+        "causal_lm_cls": get_model_class(generative),
+        "backend": backend,
+        "max_position": max_position,
+        "num_labels": num_labels,
+    }

@@ -1,0 +1,164 @@
+"""Runs encoder (and decoder-as-encoder) models for embed / classify / score / encode.
+
+No KV cache and no scheduler: inputs are sorted by length, packed back to back without
+padding into batches under the token budget, run once, pooled, and returned in input order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.backend import get_attention_backend
+from ..config import EngineConfig
+from ..errors import InvalidParamError
+from ..loader.st_config import read_sentence_transformers_config
+from ..loader.weights import build_model
+from ..models.layers.pooler import PoolingType, pool
+from ..models.registry import build_pooling_model_kwargs, pooling_task_of
+from ..pooling_params import PoolingParams
+
+
+@dataclass
+class PoolingInput:
+    """One tokenized input."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+
+
+class PoolingRunner:
+    """Owns a pooling model and turns token id lists into pooled tensors.
+
+    Args:
+        config: The engine configuration; `config.model.convert` picks the task of a
+            generative checkpoint.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = config.device.device
+        self.task = pooling_task_of(mc.architecture, mc.convert)
+        backend = get_attention_backend("torch")
+        cls, kwargs = build_pooling_model_kwargs(
+            mc.architecture, mc.hf_config, backend, mc.max_model_len
+        )
+        self.model = build_model(cls, Path(mc.path), mc.dtype, self.device, **kwargs)
+        st = read_sentence_transformers_config(Path(mc.path))
+        self.pooling_type = st.pooling_type if st else self.model.default_pooling_type
+        self.default_normalize = st.normalize if st else True
+        self.max_seq_length = st.max_seq_length if st else None
+        self.do_lower_case = st.do_lower_case if st else False
+        hf = mc.hf_config
+        dims = getattr(hf, "matryoshka_dimensions", None)
+        self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
+        self.num_labels = getattr(self.model, "num_labels", None)
+
+    # ---- batching ---------------------------------------------------------------------
+
+    def _batches(self, inputs: list[PoolingInput]) -> Iterator[list[int]]:
+        """Index groups of similar length under the token and sequence budgets."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        max_seqs = self.config.scheduler.max_num_seqs
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids), reverse=True)
+        batch: list[int] = []
+        tokens = 0
+        for i in order:
+            n = len(inputs[i].token_ids)
+            if batch and (tokens + n > budget or len(batch) >= max_seqs):
+                yield batch
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += n
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def _hidden(self, inputs: list[PoolingInput], batch: list[int]):
+        """Packed forward of one batch: `[T, hidden]` and the cumulative lengths."""
+        ids, positions, types, cu = [], [], [], [0]
+        any_types = any(inputs[i].token_type_ids is not None for i in batch)
+        for i in batch:
+            tokens = inputs[i].token_ids
+            ids.extend(tokens)
+            positions.extend(range(len(tokens)))
+            if any_types:
+                types.extend(inputs[i].token_type_ids or [0] * len(tokens))
+            cu.append(cu[-1] + len(tokens))
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(types, dtype=torch.long, device=dev) if any_types else None,
+            cu,
+        )
+        return hidden, cu
+
+    def _pooled(
+        self, inputs: list[PoolingInput], pooling_type: str
+    ) -> Iterator[tuple[list[int], torch.Tensor | list[torch.Tensor]]]:
+        for batch in self._batches(inputs):
+            hidden, cu = self._hidden(inputs, batch)
+            yield batch, pool(hidden, cu, pooling_type)
+
+    # ---- tasks ------------------------------------------------------------------------
+
+    def embed(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[torch.Tensor]:
+        """One float32 CPU vector per input (normalised / truncated per its params)."""
+        for i, p in enumerate(params):
+            if p.dimensions is not None and not self.is_matryoshka:
+                raise InvalidParamError(
+                    f"dimensions={p.dimensions} (input {i}) needs a matryoshka model; this one "
+                    "declares no matryoshka_dimensions in config.json, so drop dimensions="
+                )
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for batch, pooled in self._pooled(inputs, self.pooling_type):
+            pooled = pooled.float()
+            for row, i in enumerate(batch):
+                vec = pooled[row]
+                p = params[i]
+                if p.dimensions is not None:
+                    if p.dimensions > vec.shape[0]:
+                        raise InvalidParamError(
+                            f"dimensions={p.dimensions} exceeds the embedding size {vec.shape[0]}"
+                        )
+                    vec = vec[: p.dimensions]
+                normalize = self.default_normalize if p.normalize is None else p.normalize
+                if normalize:
+                    vec = F.normalize(vec, p=2, dim=-1)
+                out[i] = vec.cpu()
+        return out  # type: ignore[return-value]
+
+    def classify(
+        self, inputs: list[PoolingInput], params: list[PoolingParams]
+    ) -> list[torch.Tensor]:
+        """Class probabilities per input (softmax; sigmoid for a single label)."""
+        if self.num_labels is None:
+            raise InvalidParamError(
+                "this model has no classification head; load a *ForSequenceClassification "
+                "checkpoint to classify or score pairs"
+            )
+        pooling_type = self.model.default_pooling_type
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for batch, pooled in self._pooled(inputs, pooling_type):
+            logits = self.model.classify(pooled).float()  # [B, num_labels]
+            for row, i in enumerate(batch):
+                use_activation = params[i].use_activation is not False
+                values = logits[row]
+                if use_activation:
+                    values = values.sigmoid() if values.shape[0] == 1 else values.softmax(-1)
+                out[i] = values.cpu()
+        return out  # type: ignore[return-value]
+
+    def token_embed(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+        """Per-token final hidden states `[len, hidden]` per input."""
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for batch, pooled in self._pooled(inputs, PoolingType.ALL):
+            for row, i in enumerate(batch):
+                out[i] = pooled[row].float().cpu()
+        return out  # type: ignore[return-value]
