@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -28,7 +28,9 @@ from .outputs import (
 )
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
-from .worker.pooling_runner import PoolingInput, PoolingRunner
+
+if TYPE_CHECKING:
+    from .worker.pooling_runner import PoolingInput, PoolingRunner
 
 
 class LLM:
@@ -227,6 +229,8 @@ class LLM:
         A cross-encoder (a classifier with one label) reads each pair together and applies
         its sigmoid; an embedding model scores the cosine of the two embeddings.
         """
+        from .worker.pooling_runner import PoolingInput
+
         runner = self._pooling_runner("score", None)
         left, right = _score_pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
@@ -332,6 +336,8 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         truncate_prompt_tokens: int | None,
     ) -> tuple[list[PoolingInput], list[PoolingParams]]:
+        from .worker.pooling_runner import PoolingInput
+
         prompt_dicts = normalize_prompts(prompts)
         n = len(prompt_dicts)
         if pooling_params is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .core.kv_cache import KVCacheManager
@@ -17,7 +17,9 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
 from .worker.model_runner import ModelRunner
-from .worker.pooling_runner import PoolingRunner
+
+if TYPE_CHECKING:
+    from .worker.pooling_runner import PoolingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class LLMEngine:
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.pooling_runner: PoolingRunner | None = None
         if mc.runner_type == "pooling":
+            from .worker.pooling_runner import PoolingRunner
+
             self.pooling_runner = PoolingRunner(config)
             return
         self.runner = ModelRunner(config)
