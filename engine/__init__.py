@@ -4,16 +4,38 @@ from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .errors import InvalidParamError, InvalidPromptError, ModelNotFoundError
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "PoolingParams",
     "TextPrompt",
     "TokensPrompt",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "Logprob",
     "BeamSearchParams",
     "BeamSearchOutput",

@@ -50,7 +50,8 @@ class PoolingRunner:
         )
         self.model = build_model(cls, Path(mc.path), mc.dtype, self.device, **kwargs)
         st = read_sentence_transformers_config(Path(mc.path))
-        self.pooling_type = st.pooling_type if st else self.model.default_pooling_type
+        st_pooling = st.pooling_type if st else None
+        self.pooling_type = st_pooling or self.model.default_pooling_type
         self.default_normalize = st.normalize if st else True
         self.max_seq_length = st.max_seq_length if st else None
         self.do_lower_case = st.do_lower_case if st else False

@@ -1,0 +1,128 @@
+"""W4: offline embedding with all-MiniLM-L6-v2, batchlm against sentence-transformers.
+
+End to end from text (tokenization included) to normalised embeddings, on the same texts
+and weights in one process. Texts mix lengths like a real corpus (median ≈ 26 tokens,
+p90 ≈ 61, max ≈ 200), drawn from a seeded generator. The systems alternate and each one's
+best of `--repeats` timed runs is kept.
+
+    python benchmarks/w4_embed.py --num-texts 100000 --dtype float16   # GPU
+    python benchmarks/w4_embed.py --num-texts 4000 --dtype float32     # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+from common import Recorder, Timer
+
+from batchlm.engine import LLM
+from batchlm.engine.loader import resolve_model
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week "
+    "case point government company number group problem fact be have do say get make go know "
+    "take see come think look want give use find tell ask work seem feel try leave call good "
+    "new first last long great little own other old right big high different small large next "
+    "early young important few public bad same able data pipeline model token embedding search"
+).split()
+
+
+def make_texts(num: int, seed: int = 0) -> list[str]:
+    """Lognormal word counts: median ≈ 22 words (≈ 26 tokens), long tail to ≈ 170 words."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(num):
+        n = min(170, max(1, int(rng.lognormvariate(3.1, 0.6))))
+        texts.append(" ".join(rng.choice(WORDS) for _ in range(n)) + ".")
+    return texts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--num-texts", type=int, default=4000)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--st-batch-size", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    texts = make_texts(args.num_texts)
+    llm = LLM(
+        MODEL,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=4096,
+    )
+    st = SentenceTransformer(str(resolve_model(MODEL)), device=device)
+    st = st.to(dtype)
+    lengths = sorted(len(t) for t in llm.get_tokenizer()(texts[:5000])["input_ids"])
+
+    def ours() -> torch.Tensor:
+        outs = llm.embed(texts, use_tqdm=False)
+        return torch.tensor([o.outputs.embedding for o in outs])
+
+    def theirs() -> torch.Tensor:
+        return (
+            st.encode(
+                texts,
+                batch_size=args.st_batch_size,
+                normalize_embeddings=True,
+                convert_to_tensor=True,
+            )
+            .float()
+            .cpu()
+        )
+
+    llm.embed(texts[:64], use_tqdm=False)
+    st.encode(texts[:64], batch_size=args.st_batch_size)
+    ours_s, theirs_s = [], []
+    for _ in range(args.repeats):
+        with Timer() as t:
+            a = ours()
+        ours_s.append(t.seconds)
+        with Timer() as t:
+            b = theirs()
+        theirs_s.append(t.seconds)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    ours_tps, theirs_tps = len(texts) / min(ours_s), len(texts) / min(theirs_s)
+    rec = Recorder(args.out)
+    common = dict(
+        workload="W4",
+        metric="texts_per_s",
+        model=MODEL,
+        dtype=args.dtype,
+        num_texts=len(texts),
+        token_len_median=lengths[len(lengths) // 2],
+        token_len_p90=lengths[int(len(lengths) * 0.9)],
+        token_len_max=lengths[-1],
+    )
+    rec.record(
+        system="sentence-transformers",
+        value=round(theirs_tps, 1),
+        seconds=round(min(theirs_s), 3),
+        runs_seconds=[round(x, 2) for x in theirs_s],
+        batch_size=args.st_batch_size,
+        **common,
+    )
+    rec.record(
+        system="batchlm",
+        value=round(ours_tps, 1),
+        seconds=round(min(ours_s), 3),
+        runs_seconds=[round(x, 2) for x in ours_s],
+        baseline_value=round(theirs_tps, 1),
+        ratio=round(ours_tps / theirs_tps, 3),
+        min_cosine_to_baseline=round(cos.min().item(), 6),
+        **common,
+    )
+
+
+if __name__ == "__main__":
+    main()

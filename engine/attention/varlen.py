@@ -1,0 +1,190 @@
+"""Attention over packed variable-length sequences without a KV cache, in plain PyTorch.
+
+Encoders (and decoders run as encoders) see every token of every sequence in one forward:
+sequence `i` is rows `cu_seqlens[i]:cu_seqlens[i + 1]` of `[num_tokens, heads, head_dim]`
+tensors. Sequences are grouped by similar length, each group padded into a
+`[num_seqs, heads, max_len, head_dim]` batch for one `scaled_dot_product_attention` call
+(a key-padding mask when bidirectional, `is_causal` when causal), then unpadded. GQA repeats
+key / value heads explicitly, which keeps SDPA on its fused paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["VarlenGroup", "VarlenPlan", "varlen_attention", "varlen_attention_ref"]
+
+# A group is closed when the next (shorter) sequence is below this fraction of the group's
+# longest: padding then wastes at most 1 - ratio of each padded row.
+_GROUP_LENGTH_RATIO = 0.75
+# More groups waste less padding but issue more kernel calls; past this the rest share one.
+_MAX_GROUPS = 8
+
+
+@dataclass(frozen=True)
+class VarlenGroup:
+    """Sequences of similar length padded together: `num_seqs` rows of `max_len` slots."""
+
+    num_seqs: int
+    max_len: int
+    gather_index: torch.Tensor
+    """`[num_seqs * max_len]` int64: the packed row each padded slot reads (padding slots
+    read the sequence's first row, so they stay finite and are never returned)."""
+    token_index: torch.Tensor
+    """`[num_group_tokens]` int64: packed rows of the group's tokens, ascending."""
+    slot_index: torch.Tensor
+    """`[num_group_tokens]` int64: the padded slot of each row of `token_index`."""
+    key_mask: torch.Tensor | None
+    """`[num_seqs, 1, 1, max_len]` bool, True on real keys; None when no slot is padding."""
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """How to pad a packed batch, computed once per forward and reused by every layer."""
+
+    num_tokens: int
+    groups: list[VarlenGroup]
+    is_single_group: bool
+    """One group holds every token in packed order, so its output needs no scatter."""
+
+    @classmethod
+    def build(cls, cu_seqlens: Sequence[int], device: torch.device | str) -> VarlenPlan:
+        """Plan for sequences `cu_seqlens[i]:cu_seqlens[i + 1]`; empty sequences are skipped.
+
+        Raises:
+            ValueError: `cu_seqlens` does not start at 0 or is not non-decreasing.
+        """
+        cu = [int(c) for c in cu_seqlens]
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+            raise ValueError(
+                f"cu_seqlens={cu[:8]}... must start at 0 and be non-decreasing "
+                "(cumulative sequence lengths)"
+            )
+        seqs = [i for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+        seqs.sort(key=lambda i: cu[i + 1] - cu[i], reverse=True)
+        grouped: list[list[int]] = []
+        for i in seqs:
+            length = cu[i + 1] - cu[i]
+            longest = cu[grouped[-1][0] + 1] - cu[grouped[-1][0]] if grouped else 0
+            if not grouped or (
+                length < _GROUP_LENGTH_RATIO * longest and len(grouped) < _MAX_GROUPS
+            ):
+                grouped.append([])
+            grouped[-1].append(i)
+        groups = [_group(cu, sorted(g), device) for g in grouped]
+        return cls(num_tokens=cu[-1], groups=groups, is_single_group=len(groups) == 1)
+
+
+def _group(cu: list[int], seqs: list[int], device: torch.device | str) -> VarlenGroup:
+    lens = [cu[i + 1] - cu[i] for i in seqs]
+    n, max_len = len(seqs), max(lens)
+    gather, tokens, slots = [], [], []
+    for row, (i, length) in enumerate(zip(seqs, lens, strict=True)):
+        start = cu[i]
+        gather.extend(range(start, start + length))
+        gather.extend([start] * (max_len - length))
+        tokens.extend(range(start, start + length))
+        slots.extend(range(row * max_len, row * max_len + length))
+    key_mask = None
+    if min(lens) != max_len:
+        lens_t = torch.tensor(lens, device=device)
+        key_mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
+        key_mask = key_mask[:, None, None, :]
+    return VarlenGroup(
+        num_seqs=n,
+        max_len=max_len,
+        gather_index=torch.tensor(gather, dtype=torch.int64, device=device),
+        token_index=torch.tensor(tokens, dtype=torch.int64, device=device),
+        slot_index=torch.tensor(slots, dtype=torch.int64, device=device),
+        key_mask=key_mask,
+    )
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cu_seqlens: Sequence[int] | VarlenPlan,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Self-attention within each packed sequence.
+
+    Args:
+        q: Queries of all sequences back to back.
+        k: Keys, same rows; `num_heads` must be a multiple of `num_kv_heads` (GQA).
+        v: Values, same rows.
+        cu_seqlens: `[num_seqs + 1]` cumulative lengths (sequence `i` is rows
+            `cu_seqlens[i]:cu_seqlens[i + 1]`), or a `VarlenPlan` built from them once per
+            forward so that layers share the padding indices.
+        scale: Softmax scale, usually `head_dim ** -0.5`.
+        causal: Token `j` attends to tokens `<= j` of its sequence; else to all of them.
+
+    Returns:
+        The attention output, rows in the order of `q`.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    plan = (
+        cu_seqlens if isinstance(cu_seqlens, VarlenPlan) else VarlenPlan.build(cu_seqlens, q.device)
+    )
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"cu_seqlens covers {plan.num_tokens} tokens, q has {num_tokens}")
+    group_size = num_heads // num_kv_heads
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if group_size > 1:
+        k = k.repeat_interleave(group_size, dim=1)  # [num_tokens, num_heads, head_dim]
+        v = v.repeat_interleave(group_size, dim=1)
+    out = q.new_empty(q.shape)
+    for g in plan.groups:
+        attn = F.scaled_dot_product_attention(
+            _pad(q, g),
+            _pad(k, g),
+            _pad(v, g),
+            attn_mask=None if causal else g.key_mask,
+            is_causal=causal,
+            scale=scale,
+        )  # [num_seqs, num_heads, max_len, head_dim]
+        rows = attn.transpose(1, 2).reshape(-1, num_heads, head_dim).index_select(0, g.slot_index)
+        if plan.is_single_group:
+            return rows
+        out.index_copy_(0, g.token_index, rows)
+    return out
+
+
+def _pad(x: torch.Tensor, group: VarlenGroup) -> torch.Tensor:
+    """`[num_tokens, heads, head_dim]` → `[num_seqs, heads, max_len, head_dim]` (a view)."""
+    x = x.index_select(0, group.gather_index)
+    return x.view(group.num_seqs, group.max_len, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """`varlen_attention` one sequence at a time, with an explicit softmax (for tests)."""
+    group_size = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1).float()  # [num_heads, len, head_dim]
+        ks = k[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1).float()
+        vs = v[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1).float()
+        scores = qs @ ks.transpose(1, 2) * scale  # [num_heads, len, len]
+        if causal:
+            length = end - start
+            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,201 @@
+"""embed / classify / score / encode against sentence-transformers and transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from batchlm.engine import LLM, PoolingParams, SamplingParams
+from batchlm.engine.errors import InvalidParamError, InvalidPromptError, UnsupportedModelError
+from batchlm.engine.loader import resolve_model
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "Two men pushed carts through the woods.",
+    "hello",
+    "Paris is the capital and most populous city of France. " * 40,  # > 256 tokens
+]
+PAIRS_Q = "How many people live in Berlin?"
+PAIRS_D = [
+    "Berlin had a population of 3,520,031 registered inhabitants.",
+    "Berlin is well known for its museums.",
+    "The capital of France is Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    return resolve_model(MINILM)
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    return LLM(MINILM)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(minilm_dir, tmp_path_factory):
+    """MiniLM body + a seeded random one-label head: the real cross-encoder code path."""
+    return _classifier_from_minilm(minilm_dir, tmp_path_factory.mktemp("ce"), num_labels=1)
+
+
+def _classifier_from_minilm(minilm_dir, out, num_labels):
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertModel
+
+    config = BertConfig.from_pretrained(minilm_dir, num_labels=num_labels)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    body = BertModel.from_pretrained(minilm_dir)
+    model.bert.load_state_dict(body.state_dict(), strict=False)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(out)
+    return out
+
+
+def test_embeddings_match_sentence_transformers(minilm, minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(minilm_dir), device="cpu")
+    expected = st.encode(SENTENCES, convert_to_tensor=True, normalize_embeddings=False)
+    outs = minilm.embed(SENTENCES, use_tqdm=False)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    assert got.shape == (len(SENTENCES), 384)
+    cos = torch.nn.functional.cosine_similarity(got, expected.float(), dim=-1)
+    assert cos.min().item() >= 0.9999, cos
+    # The long sentence was cut at sentence-transformers' max_seq_length (256).
+    assert len(outs[-1].prompt_token_ids) == 256
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
+
+
+def test_bi_encoder_score_is_cosine(minilm, minilm_dir):
+    from sentence_transformers import SentenceTransformer, util
+
+    st = SentenceTransformer(str(minilm_dir), device="cpu")
+    q, d = st.encode([PAIRS_Q], convert_to_tensor=True), st.encode(PAIRS_D, convert_to_tensor=True)
+    expected = util.cos_sim(q, d)[0]
+    one_to_n = [o.outputs.score for o in minilm.score(PAIRS_Q, PAIRS_D, use_tqdm=False)]
+    assert torch.allclose(torch.tensor(one_to_n), expected.float(), atol=1e-4)
+    n_to_n = minilm.score([PAIRS_Q] * 3, PAIRS_D, use_tqdm=False)
+    assert [o.outputs.score for o in n_to_n] == pytest.approx(one_to_n, abs=1e-6)
+    one = minilm.score(PAIRS_Q, PAIRS_D[0], use_tqdm=False)
+    assert len(one) == 1 and one[0].outputs.score == pytest.approx(one_to_n[0], abs=1e-6)
+    with pytest.raises(InvalidPromptError, match="2 texts in data_1 and 3 in data_2"):
+        minilm.score([PAIRS_Q] * 2, PAIRS_D)
+
+
+def test_cross_encoder_scores_match_transformers(cross_encoder_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf = AutoModelForSequenceClassification.from_pretrained(cross_encoder_dir).eval()
+    tok = AutoTokenizer.from_pretrained(cross_encoder_dir)
+    with torch.inference_mode():
+        logits = hf(**tok([PAIRS_Q] * 3, PAIRS_D, padding=True, return_tensors="pt")).logits
+    expected = torch.sigmoid(logits[:, 0])
+    llm = LLM(str(cross_encoder_dir))
+    got = torch.tensor([o.outputs.score for o in llm.score(PAIRS_Q, PAIRS_D, use_tqdm=False)])
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+    raw = llm.score(PAIRS_Q, PAIRS_D, pooling_params=PoolingParams(use_activation=False))
+    assert torch.allclose(torch.tensor([o.outputs.score for o in raw]), logits[:, 0], atol=1e-4)
+
+
+def test_classifier_probabilities_match_transformers(minilm_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = _classifier_from_minilm(minilm_dir, tmp_path / "cls3", num_labels=3)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = SENTENCES[:5]
+    with torch.inference_mode():
+        expected = hf(**tok(texts, padding=True, return_tensors="pt")).logits.softmax(-1)
+    llm = LLM(str(folder))
+    got = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)])
+    assert torch.allclose(got, expected, atol=1e-4)
+    with pytest.raises(InvalidParamError, match="one label"):
+        llm.score(PAIRS_Q, PAIRS_D)
+
+
+def test_decoder_last_token_embeddings_match_transformers(tiny_model_factory):
+    from transformers import AutoModel
+
+    path = tiny_model_factory("qwen2")
+    llm = LLM(str(path), runner="pooling", convert="embed")
+    tok = llm.get_tokenizer()
+    texts = ["red green blue", "one two three four five six seven", "a"]
+    outs = llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    for text, out in zip(texts, outs, strict=True):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        with torch.inference_mode():
+            expected = hf(ids).last_hidden_state[0, -1]
+        assert torch.allclose(torch.tensor(out.outputs.embedding), expected, atol=1e-4)
+
+
+def test_decoder_classifier_matches_transformers(tiny_model_factory, tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    base = tiny_model_factory("llama")
+    config = LlamaConfig.from_pretrained(base, num_labels=4)
+    config.architectures = ["LlamaForSequenceClassification"]
+    torch.manual_seed(0)
+    hf = LlamaForSequenceClassification(config).eval()
+    hf.save_pretrained(tmp_path / "llama-cls")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "llama-cls")
+    llm = LLM(str(tmp_path / "llama-cls"))
+    texts = ["red green blue", "one two three four five six seven"]
+    got = [o.outputs.probs for o in llm.classify(texts, use_tqdm=False)]
+    tok = AutoTokenizer.from_pretrained(base)
+    for text, probs in zip(texts, got, strict=True):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([tok(text)["input_ids"]])).logits[0].softmax(-1)
+        assert torch.allclose(torch.tensor(probs), expected, atol=1e-4)
+
+
+def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path):
+    with pytest.raises(InvalidParamError, match="matryoshka"):
+        minilm.embed(["x"], PoolingParams(dimensions=128))
+    folder = tmp_path / "mrl"
+    shutil.copytree(minilm_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["matryoshka_dimensions"] = [384, 128]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder))
+    full = llm.embed(SENTENCES[:3], PoolingParams(normalize=False), use_tqdm=False)
+    cut = llm.embed(SENTENCES[:3], PoolingParams(dimensions=128), use_tqdm=False)
+    for f, c in zip(full, cut, strict=True):
+        expected = torch.nn.functional.normalize(torch.tensor(f.outputs.embedding[:128]), dim=0)
+        assert torch.allclose(torch.tensor(c.outputs.embedding), expected, atol=1e-6)
+
+
+def test_encode_and_wrong_task_errors(minilm, tiny_model_factory):
+    outs = minilm.encode(["hello world", "a b c d"], pooling_task="token_embed", use_tqdm=False)
+    assert [tuple(o.outputs.data.shape) for o in outs] == [
+        (len(o.prompt_token_ids), 384) for o in outs
+    ]
+    embed = minilm.encode(["hello world"], pooling_task="embed", use_tqdm=False)[0]
+    assert embed.outputs.data.shape == (384,)
+    with pytest.raises(InvalidParamError, match="loaded for pooling"):
+        minilm.generate(["hi"], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidParamError, match="can classify"):
+        minilm.classify(["hi"])
+    with pytest.raises(InvalidParamError, match="pooling_task='nope'"):
+        minilm.encode(["hi"], pooling_task="nope")
+    generative = LLM(str(tiny_model_factory("llama")), max_model_len=64)
+    with pytest.raises(InvalidParamError, match="runner='pooling'"):
+        generative.embed(["hi"])
+    with pytest.raises(UnsupportedModelError, match="runner='pooling'"):
+        LLM(MINILM, runner="generate")
+
+
+def test_over_long_input_is_refused_unless_truncated(minilm):
+    ids = [101] + [2000] * 600 + [102]
+    with pytest.raises(InvalidPromptError, match=r"prompts\[1\] has 602 tokens"):
+        minilm.embed(["fine", {"prompt_token_ids": ids}])
+    out = minilm.embed([{"prompt_token_ids": ids}], truncate_prompt_tokens=100, use_tqdm=False)
+    assert len(out[0].prompt_token_ids) == 100
