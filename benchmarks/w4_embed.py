@@ -5,14 +5,20 @@ and weights in one process. Texts mix lengths like a real corpus (median ≈ 26 
 p90 ≈ 61, max ≈ 200), drawn from a seeded generator. The systems alternate and each one's
 best of `--repeats` timed runs is kept.
 
-    python benchmarks/w4_embed.py --num-texts 100000 --dtype float16   # GPU
-    python benchmarks/w4_embed.py --num-texts 4000 --dtype float32     # CPU
+    python benchmarks/w4_embed.py --num-texts 100000 --dtype float16 --random-weights  # GPU
+    python benchmarks/w4_embed.py --num-texts 4000 --dtype float32                     # CPU
+
+`--random-weights` builds a seeded random-weight model of the same shape from the config and
+tokenizer in `benchmarks/assets/minilm-l6-shape/` (throughput does not depend on weight
+values), for machines without the model package.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import tempfile
+from pathlib import Path
 
 import torch
 from common import Recorder, Timer
@@ -40,6 +46,20 @@ def make_texts(num: int, seed: int = 0) -> list[str]:
     return texts
 
 
+def random_weight_model() -> str:
+    """A MiniLM-L6-shaped sentence-transformers folder with seeded random weights."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    assets = Path(__file__).parent / "assets" / "minilm-l6-shape"
+    out = Path(tempfile.mkdtemp(prefix="w4-minilm-"))
+    shutil.copytree(assets, out, dirs_exist_ok=True)
+    torch.manual_seed(0)
+    BertModel(BertConfig.from_pretrained(assets), add_pooling_layer=False).save_pretrained(out)
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-texts", type=int, default=4000)
@@ -47,8 +67,10 @@ def main() -> None:
     ap.add_argument("--st-batch-size", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    model = random_weight_model() if args.random_weights else MODEL
 
     from sentence_transformers import SentenceTransformer
 
@@ -56,12 +78,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     texts = make_texts(args.num_texts)
     llm = LLM(
-        MODEL,
+        model,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=4096,
     )
-    st = SentenceTransformer(str(resolve_model(MODEL)), device=device)
+    st = SentenceTransformer(str(resolve_model(model)), device=device)
     st = st.to(dtype)
     lengths = sorted(len(t) for t in llm.get_tokenizer()(texts[:5000])["input_ids"])
 
@@ -97,7 +119,7 @@ def main() -> None:
     common = dict(
         workload="W4",
         metric="texts_per_s",
-        model=MODEL,
+        model=MODEL if not args.random_weights else "MiniLM-L6 shape, random weights",
         dtype=args.dtype,
         num_texts=len(texts),
         token_len_median=lengths[len(lengths) // 2],

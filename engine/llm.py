@@ -254,7 +254,7 @@ class LLM:
                 for i, ids in enumerate(encoded["input_ids"])
             ]
             for i, x in enumerate(inputs):
-                self._check_pooling_input(i, x.token_ids, None)
+                self._check_pooling_input(i, x.token_ids, check_ids=False)
             values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
         else:
             texts = list(dict.fromkeys([*left, *right]))
@@ -370,13 +370,15 @@ class LLM:
                 ids[i] = list(tokens)
         inputs = []
         for i, tokens in enumerate(ids):
-            if tokens is not None and max_len is not None and "prompt_token_ids" in prompt_dicts[i]:
-                tokens = tokens[-max_len:] if truncate is not None else tokens
-            self._check_pooling_input(i, tokens, truncate)
+            from_user = "prompt_token_ids" in prompt_dicts[i]
+            if from_user and truncate is not None and max_len is not None:
+                tokens = tokens[-max_len:]
+            # Ids the tokenizer produced are in the vocabulary by construction.
+            self._check_pooling_input(i, tokens, check_ids=from_user)
             inputs.append(PoolingInput(tokens))
         return inputs, params
 
-    def _check_pooling_input(self, index: int, ids: list[int], truncate: int | None) -> None:
+    def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:
         max_len = self.llm_engine.config.model.max_model_len
         if not ids:
             raise InvalidPromptError(
@@ -387,6 +389,8 @@ class LLM:
                 f"prompts[{index}] has {len(ids)} tokens, more than the model's maximum "
                 f"{max_len}; shorten it or pass truncate_prompt_tokens"
             )
+        if not check_ids:
+            return
         vocab = self.llm_engine.vocab_size
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:

@@ -22,6 +22,10 @@ from ..models.layers.pooler import PoolingType, pool
 from ..models.registry import build_pooling_model_kwargs, pooling_task_of
 from ..pooling_params import PoolingParams
 
+# On CPU a forward of more tokens than this gains nothing from matmul efficiency, while its
+# activations fall out of cache and the elementwise ops (GELU, bias, norms) turn memory-bound.
+CPU_MAX_TOKENS_PER_FORWARD = 4096
+
 
 @dataclass
 class PoolingInput:
@@ -65,6 +69,8 @@ class PoolingRunner:
     def _batches(self, inputs: list[PoolingInput]) -> Iterator[list[int]]:
         """Index groups of similar length under the token and sequence budgets."""
         budget = self.config.scheduler.max_num_batched_tokens
+        if self.device.type == "cpu":
+            budget = min(budget, CPU_MAX_TOKENS_PER_FORWARD)
         max_seqs = self.config.scheduler.max_num_seqs
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids), reverse=True)
         batch: list[int] = []
@@ -119,20 +125,27 @@ class PoolingRunner:
                 )
         out: list[torch.Tensor | None] = [None] * len(inputs)
         for batch, pooled in self._pooled(inputs, self.pooling_type):
-            pooled = pooled.float()
+            pooled = pooled.float()  # [B, hidden]
+            # Rows sharing (dimensions, normalize) are processed together, on the device,
+            # and copied to the host once per batch.
+            groups: dict[tuple[int | None, bool], list[int]] = {}
             for row, i in enumerate(batch):
-                vec = pooled[row]
                 p = params[i]
-                if p.dimensions is not None:
-                    if p.dimensions > vec.shape[0]:
-                        raise InvalidParamError(
-                            f"dimensions={p.dimensions} exceeds the embedding size {vec.shape[0]}"
-                        )
-                    vec = vec[: p.dimensions]
                 normalize = self.default_normalize if p.normalize is None else p.normalize
+                groups.setdefault((p.dimensions, normalize), []).append(row)
+            for (dims, normalize), rows in groups.items():
+                vecs = pooled if len(rows) == len(batch) else pooled[rows]
+                if dims is not None:
+                    if dims > vecs.shape[1]:
+                        raise InvalidParamError(
+                            f"dimensions={dims} exceeds the embedding size {vecs.shape[1]}"
+                        )
+                    vecs = vecs[:, :dims]
                 if normalize:
-                    vec = F.normalize(vec, p=2, dim=-1)
-                out[i] = vec.cpu()
+                    vecs = F.normalize(vecs, p=2, dim=-1)
+                host = vecs.cpu()
+                for k, row in enumerate(rows):
+                    out[batch[row]] = host[k]
         return out  # type: ignore[return-value]
 
     def classify(
@@ -148,12 +161,10 @@ class PoolingRunner:
         out: list[torch.Tensor | None] = [None] * len(inputs)
         for batch, pooled in self._pooled(inputs, pooling_type):
             logits = self.model.classify(pooled).float()  # [B, num_labels]
+            probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
+            logits, probs = logits.cpu(), probs.cpu()
             for row, i in enumerate(batch):
-                use_activation = params[i].use_activation is not False
-                values = logits[row]
-                if use_activation:
-                    values = values.sigmoid() if values.shape[0] == 1 else values.softmax(-1)
-                out[i] = values.cpu()
+                out[i] = logits[row] if params[i].use_activation is False else probs[row]
         return out  # type: ignore[return-value]
 
     def token_embed(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
