@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import time
 from collections.abc import Sequence
@@ -191,12 +193,13 @@ class LLM:
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
         runner = self._pooling_runner("embed", "embed")
-        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        vectors = runner.embed(inputs, params)
-        return [
-            EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v.tolist()), x.token_ids)
-            for v, x in zip(vectors, inputs, strict=True)
-        ]
+        with _gc_paused():
+            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+            vectors = runner.embed(inputs, params, as_lists=True)
+            return [
+                EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), x.token_ids)
+                for v, x in zip(vectors, inputs, strict=True)
+            ]
 
     def classify(
         self,
@@ -207,8 +210,9 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
         runner = self._pooling_runner("classify", "classify")
-        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        probs = runner.classify(inputs, params)
+        with _gc_paused():
+            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+            probs = runner.classify(inputs, params)
         return [
             ClassificationRequestOutput(
                 self._next_id(), ClassificationOutput(p.tolist()), x.token_ids
@@ -363,11 +367,9 @@ class LLM:
             tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
             runner = self.llm_engine.pooling_runner
             batch = [t.lower() if runner.do_lower_case else t for _, t in texts]
-            encoded = tokenizer(batch, truncation=max_len is not None, max_length=max_len)[
-                "input_ids"
-            ]
+            encoded = _encode_batch(tokenizer, batch, max_len)
             for (i, _), tokens in zip(texts, encoded, strict=True):
-                ids[i] = list(tokens)
+                ids[i] = tokens
         inputs = []
         for i, tokens in enumerate(ids):
             from_user = "prompt_token_ids" in prompt_dicts[i]
@@ -600,3 +602,41 @@ def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):
             "against many (1 and N) or equal-length lists (N and N)"
         )
     return left, right
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector while building many small objects (token lists,
+    outputs): its generational passes otherwise dominate large pooling calls."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _encode_batch(tokenizer: Any, texts: list[str], max_len: int | None) -> list[list[int]]:
+    """Token ids of many texts, truncated (right) to `max_len` like the tokenizer's own
+    `truncation=True`; through the Rust tokenizer directly when there is one, which skips
+    transformers' per-text conversion of offsets, masks and type ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        out = tokenizer(texts, truncation=max_len is not None, max_length=max_len)["input_ids"]
+        return [list(ids) for ids in out]
+    truncation, padding = backend.truncation, backend.padding
+    try:
+        backend.no_padding()
+        if max_len is None:
+            backend.no_truncation()
+        else:
+            backend.enable_truncation(max_len)
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+    finally:
+        if truncation is None:
+            backend.no_truncation()
+        else:
+            backend.enable_truncation(**truncation)
+        if padding is not None:
+            backend.enable_padding(**padding)

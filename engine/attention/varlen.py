@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -80,26 +81,29 @@ class VarlenPlan:
 
 
 def _group(cu: list[int], seqs: list[int], device: torch.device | str) -> VarlenGroup:
-    lens = [cu[i + 1] - cu[i] for i in seqs]
-    n, max_len = len(seqs), max(lens)
-    gather, tokens, slots = [], [], []
-    for row, (i, length) in enumerate(zip(seqs, lens, strict=True)):
-        start = cu[i]
-        gather.extend(range(start, start + length))
-        gather.extend([start] * (max_len - length))
-        tokens.extend(range(start, start + length))
-        slots.extend(range(row * max_len, row * max_len + length))
+    starts = np.asarray([cu[i] for i in seqs], dtype=np.int64)
+    lens = np.asarray([cu[i + 1] - cu[i] for i in seqs], dtype=np.int64)
+    n, max_len = len(seqs), int(lens.max())
+    offsets = np.arange(max_len, dtype=np.int64)[None, :]  # [1, max_len]
+    is_real = offsets < lens[:, None]  # [n, max_len]
+    # Padding slots read the sequence's first row (finite, never returned).
+    gather = np.where(is_real, starts[:, None] + offsets, starts[:, None]).reshape(-1)
+    tokens = (starts[:, None] + offsets)[is_real]  # row-major: ascending within each row
+    slots = (np.arange(n, dtype=np.int64)[:, None] * max_len + offsets)[is_real]
+    order = np.argsort(tokens, kind="stable")
     key_mask = None
-    if min(lens) != max_len:
-        lens_t = torch.tensor(lens, device=device)
-        key_mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
-        key_mask = key_mask[:, None, None, :]
+    if int(lens.min()) != max_len:
+        key_mask = torch.from_numpy(is_real).to(device)[:, None, None, :]
+
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
     return VarlenGroup(
         num_seqs=n,
         max_len=max_len,
-        gather_index=torch.tensor(gather, dtype=torch.int64, device=device),
-        token_index=torch.tensor(tokens, dtype=torch.int64, device=device),
-        slot_index=torch.tensor(slots, dtype=torch.int64, device=device),
+        gather_index=to_device(gather),
+        token_index=to_device(tokens[order]),
+        slot_index=to_device(slots[order]),
         key_mask=key_mask,
     )
 

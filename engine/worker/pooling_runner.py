@@ -6,10 +6,12 @@ padding into batches under the token budget, run once, pooled, and returned in i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,23 +90,33 @@ class PoolingRunner:
     @torch.inference_mode()
     def _hidden(self, inputs: list[PoolingInput], batch: list[int]):
         """Packed forward of one batch: `[T, hidden]` and the cumulative lengths."""
-        ids, positions, types, cu = [], [], [], [0]
-        any_types = any(inputs[i].token_type_ids is not None for i in batch)
-        for i in batch:
-            tokens = inputs[i].token_ids
-            ids.extend(tokens)
-            positions.extend(range(len(tokens)))
-            if any_types:
-                types.extend(inputs[i].token_type_ids or [0] * len(tokens))
-            cu.append(cu[-1] + len(tokens))
-        dev = self.device
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            torch.tensor(types, dtype=torch.long, device=dev) if any_types else None,
-            cu,
+        lens = np.fromiter((len(inputs[i].token_ids) for i in batch), np.int64, len(batch))
+        cu = np.zeros(len(batch) + 1, np.int64)
+        np.cumsum(lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # C-level flattening: no per-token Python work.
+        ids = np.fromiter(
+            itertools.chain.from_iterable(inputs[i].token_ids for i in batch), np.int64, num_tokens
         )
-        return hidden, cu
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
+        types = None
+        if any(inputs[i].token_type_ids is not None for i in batch):
+            types = np.fromiter(
+                itertools.chain.from_iterable(
+                    inputs[i].token_type_ids or [0] * len(inputs[i].token_ids) for i in batch
+                ),
+                np.int64,
+                num_tokens,
+            )
+        dev = self.device
+        cu_list = cu.tolist()
+        hidden = self.model(
+            _to_device(ids, dev),
+            _to_device(positions, dev),
+            _to_device(types, dev) if types is not None else None,
+            cu_list,
+        )
+        return hidden, cu_list
 
     def _pooled(
         self, inputs: list[PoolingInput], pooling_type: str
@@ -115,8 +127,11 @@ class PoolingRunner:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def embed(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[torch.Tensor]:
-        """One float32 CPU vector per input (normalised / truncated per its params)."""
+    def embed(
+        self, inputs: list[PoolingInput], params: list[PoolingParams], as_lists: bool = False
+    ) -> list[torch.Tensor] | list[list[float]]:
+        """One float32 vector per input (normalised / truncated per its params): CPU tensors,
+        or Python lists when `as_lists` (converted a batch at a time)."""
         for i, p in enumerate(params):
             if p.dimensions is not None and not self.is_matryoshka:
                 raise InvalidParamError(
@@ -144,6 +159,8 @@ class PoolingRunner:
                 if normalize:
                     vecs = F.normalize(vecs, p=2, dim=-1)
                 host = vecs.cpu()
+                if as_lists:
+                    host = host.tolist()
                 for k, row in enumerate(rows):
                     out[batch[row]] = host[k]
         return out  # type: ignore[return-value]
@@ -174,3 +191,8 @@ class PoolingRunner:
             for row, i in enumerate(batch):
                 out[i] = pooled[row].float().cpu()
         return out  # type: ignore[return-value]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -69,7 +69,10 @@ def test_embeddings_match_sentence_transformers(minilm, minilm_dir):
     assert got.shape == (len(SENTENCES), 384)
     cos = torch.nn.functional.cosine_similarity(got, expected.float(), dim=-1)
     assert cos.min().item() >= 0.9999, cos
-    # The long sentence was cut at sentence-transformers' max_seq_length (256).
+    # Token ids are those of the tokenizer's own call, the long sentence cut at
+    # sentence-transformers' max_seq_length (256).
+    expected_ids = st.tokenizer(SENTENCES, truncation=True, max_length=256)["input_ids"]
+    assert [o.prompt_token_ids for o in outs] == expected_ids
     assert len(outs[-1].prompt_token_ids) == 256
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
 

@@ -1,0 +1,54 @@
+"""Profile `LLM.embed` on the W4 texts (host-side cProfile plus a CUDA-synchronised timer).
+
+    python benchmarks/tools/profile_embed.py --num-texts 100000 --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from w4_embed import make_texts, random_weight_model  # noqa: E402
+
+from batchlm.engine import LLM  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-texts", type=int, default=100000)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    args = ap.parse_args()
+    texts = make_texts(args.num_texts)
+    llm = LLM(
+        random_weight_model(),
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=4096,
+    )
+    llm.embed(texts[:256], use_tqdm=False)
+    tok = llm.get_tokenizer()
+    t = time.perf_counter()
+    tok(texts, truncation=True, max_length=256)
+    print(f"tokenize only: {time.perf_counter() - t:.2f}s")
+    t = time.perf_counter()
+    llm.embed(texts, use_tqdm=False)
+    torch.cuda.synchronize()
+    print(f"embed: {time.perf_counter() - t:.2f}s")
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.embed(texts, use_tqdm=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
