@@ -1,6 +1,6 @@
 """Profile `LLM.embed` on the W4 texts (host-side cProfile plus a CUDA-synchronised timer).
 
-    python benchmarks/tools/profile_embed.py --num-texts 100000 --dtype float16
+python benchmarks/tools/profile_embed.py --num-texts 100000 --dtype float16
 """
 
 from __future__ import annotations
