@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -17,25 +15,12 @@ from .engine_args import EngineArgs
 from .errors import InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
 from .llm_engine import LLMEngine
-from .outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
-)
-from .pooling_params import PoolingParams
+from .llm_pooling import PoolingMixin
+from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from .worker.pooling_runner import PoolingInput, PoolingRunner
 
-
-class LLM:
+class LLM(PoolingMixin):
     """An engine for offline generation over a batch of prompts.
 
     Args:
@@ -176,229 +161,6 @@ class LLM:
             >>> llm.beam_search(["The sky is"], BeamSearchParams(beam_width=4, max_tokens=16))
         """
         return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
-
-    # ---- pooling ----------------------------------------------------------------------
-
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt, in input order.
-
-        Example:
-            >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
-            >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
-        """
-        runner = self._pooling_runner("embed", "embed")
-        with _gc_paused():
-            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-            vectors = runner.embed(inputs, params, as_lists=True)
-            return [
-                EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), x.token_ids)
-                for v, x in zip(vectors, inputs, strict=True)
-            ]
-
-    def classify(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-    ) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
-        runner = self._pooling_runner("classify", "classify")
-        with _gc_paused():
-            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-            probs = runner.classify(inputs, params)
-        return [
-            ClassificationRequestOutput(
-                self._next_id(), ClassificationOutput(p.tolist()), x.token_ids
-            )
-            for p, x in zip(probs, inputs, strict=True)
-        ]
-
-    def score(
-        self,
-        data_1: str | Sequence[str],
-        data_2: str | Sequence[str],
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-        pooling_params: PoolingParams | None = None,
-    ) -> list[ScoringRequestOutput]:
-        """Relevance of each (data_1, data_2) pair: 1↔1, 1↔N (data_1 is broadcast) or N↔N.
-
-        A cross-encoder (a classifier with one label) reads each pair together and applies
-        its sigmoid; an embedding model scores the cosine of the two embeddings.
-        """
-        from .worker.pooling_runner import PoolingInput
-
-        runner = self._pooling_runner("score", None)
-        left, right = _score_pairs(data_1, data_2)
-        params = pooling_params or PoolingParams()
-        if runner.task == "classify":
-            if runner.num_labels != 1:
-                raise InvalidParamError(
-                    f"score() needs a cross-encoder with one label; this classifier has "
-                    f"{runner.num_labels} labels: use classify() instead"
-                )
-            tokenizer = self._require_tokenizer("score")
-            max_len = self._max_input_len(truncate_prompt_tokens)
-            encoded = tokenizer(
-                list(left),
-                list(right),
-                truncation="longest_first" if max_len else False,
-                max_length=max_len,
-            )
-            types = encoded.get("token_type_ids")
-            inputs = [
-                PoolingInput(list(ids), list(types[i]) if types is not None else None)
-                for i, ids in enumerate(encoded["input_ids"])
-            ]
-            for i, x in enumerate(inputs):
-                self._check_pooling_input(i, x.token_ids, check_ids=False)
-            values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
-        else:
-            texts = list(dict.fromkeys([*left, *right]))
-            text_inputs, _ = self._pooling_inputs(texts, None, truncate_prompt_tokens)
-            unit = [PoolingParams(normalize=True)] * len(text_inputs)
-            vectors = dict(zip(texts, runner.embed(text_inputs, unit), strict=True))
-            values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
-            by_text = dict(zip(texts, text_inputs, strict=True))
-            inputs = [by_text[a] for a in left]  # the query side's tokens
-        return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(v), x.token_ids)
-            for v, x in zip(values, inputs, strict=True)
-        ]
-
-    def encode(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-        pooling_task: str = "embed",
-    ) -> list[PoolingRequestOutput]:
-        """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
-        `classify` or `token_embed` (every token's final hidden state)."""
-        if pooling_task not in ("embed", "classify", "token_embed"):
-            raise InvalidParamError(
-                f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
-                "'token_embed'"
-            )
-        runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
-        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-        if pooling_task == "embed":
-            data = runner.embed(inputs, params)
-        elif pooling_task == "classify":
-            data = runner.classify(inputs, params)
-        else:
-            data = runner.token_embed(inputs)
-        return [
-            PoolingRequestOutput(self._next_id(), PoolingOutput(d), x.token_ids)
-            for d, x in zip(data, inputs, strict=True)
-        ]
-
-    def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
-        runner = self.llm_engine.pooling_runner
-        if runner is None:
-            raise InvalidParamError(
-                f"{method}() needs a pooling model, but this one was loaded to generate; "
-                f"load it with LLM(model, runner='pooling') (a generative checkpoint pools its "
-                "last token: convert='embed')"
-            )
-        if task is not None and runner.task != task:
-            hint = (
-                "load a *ForSequenceClassification checkpoint"
-                if task == "classify"
-                else "use classify() or score() with this classifier"
-            )
-            raise InvalidParamError(
-                f"{method}() needs a model that can {task}, but this one does {runner.task}; "
-                + hint
-            )
-        return runner
-
-    def _max_input_len(self, truncate_prompt_tokens: int | None) -> int | None:
-        """Where inputs are cut: the explicit request, else sentence-transformers' length."""
-        runner = self.llm_engine.pooling_runner
-        max_len = self.llm_engine.config.model.max_model_len
-        if truncate_prompt_tokens is not None:
-            keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            if keep > max_len:
-                raise InvalidParamError(
-                    f"truncate_prompt_tokens={keep} exceeds the model's maximum {max_len}"
-                )
-            return keep
-        return runner.max_seq_length if runner is not None else None
-
-    def _pooling_inputs(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
-        truncate_prompt_tokens: int | None,
-    ) -> tuple[list[PoolingInput], list[PoolingParams]]:
-        from .worker.pooling_runner import PoolingInput
-
-        prompt_dicts = normalize_prompts(prompts)
-        n = len(prompt_dicts)
-        if pooling_params is None:
-            params = [PoolingParams()] * n
-        elif isinstance(pooling_params, PoolingParams):
-            params = [pooling_params] * n
-        else:
-            params = list(pooling_params)
-            if len(params) != n or not all(isinstance(p, PoolingParams) for p in params):
-                raise InvalidParamError(
-                    f"pooling_params must be one PoolingParams or a list of {n} of them"
-                )
-        truncate = truncate_prompt_tokens
-        if truncate is None:
-            explicit = {p.truncate_prompt_tokens for p in params} - {None}
-            truncate = max(explicit) if explicit else None
-        max_len = self._max_input_len(truncate)
-        texts = [
-            (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
-        ]
-        ids: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
-        if texts:
-            tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
-            runner = self.llm_engine.pooling_runner
-            batch = [t.lower() if runner.do_lower_case else t for _, t in texts]
-            encoded = _encode_batch(tokenizer, batch, max_len)
-            for (i, _), tokens in zip(texts, encoded, strict=True):
-                ids[i] = tokens
-        inputs = []
-        for i, tokens in enumerate(ids):
-            from_user = "prompt_token_ids" in prompt_dicts[i]
-            if from_user and truncate is not None and max_len is not None:
-                tokens = tokens[-max_len:]
-            # Ids the tokenizer produced are in the vocabulary by construction.
-            self._check_pooling_input(i, tokens, check_ids=from_user)
-            inputs.append(PoolingInput(tokens))
-        return inputs, params
-
-    def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:
-        max_len = self.llm_engine.config.model.max_model_len
-        if not ids:
-            raise InvalidPromptError(
-                f"prompts[{index}] is empty; an input needs at least one token"
-            )
-        if len(ids) > max_len:
-            raise InvalidPromptError(
-                f"prompts[{index}] has {len(ids)} tokens, more than the model's maximum "
-                f"{max_len}; shorten it or pass truncate_prompt_tokens"
-            )
-        if not check_ids:
-            return
-        vocab = self.llm_engine.vocab_size
-        bad = next((t for t in ids if t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise InvalidPromptError(
-                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
-            )
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
@@ -582,61 +344,3 @@ class LLM:
             if pending:  # interrupted: leave no request holding KV blocks
                 engine.abort_requests(sorted(pending))
         return [results[rid] for rid in request_ids]
-
-
-def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):
-    """Expand score() inputs to two equal-length lists of texts."""
-    left = [data_1] if isinstance(data_1, str) else list(data_1)
-    right = [data_2] if isinstance(data_2, str) else list(data_2)
-    for name, items in (("data_1", left), ("data_2", right)):
-        if not items:
-            raise InvalidPromptError(f"{name} is empty; pass a string or a non-empty list")
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                raise InvalidPromptError(f"{name}[{i}] is a {type(item).__name__}, not a string")
-    if len(left) == 1 and len(right) > 1:
-        left = left * len(right)
-    if len(left) != len(right):
-        raise InvalidPromptError(
-            f"score() got {len(left)} texts in data_1 and {len(right)} in data_2; pass one "
-            "against many (1 and N) or equal-length lists (N and N)"
-        )
-    return left, right
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while building many small objects (token lists,
-    outputs): its generational passes otherwise dominate large pooling calls."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _encode_batch(tokenizer: Any, texts: list[str], max_len: int | None) -> list[list[int]]:
-    """Token ids of many texts, truncated (right) to `max_len` like the tokenizer's own
-    `truncation=True`; through the Rust tokenizer directly when there is one, which skips
-    transformers' per-text conversion of offsets, masks and type ids."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch"):
-        out = tokenizer(texts, truncation=max_len is not None, max_length=max_len)["input_ids"]
-        return [list(ids) for ids in out]
-    truncation, padding = backend.truncation, backend.padding
-    try:
-        backend.no_padding()
-        if max_len is None:
-            backend.no_truncation()
-        else:
-            backend.enable_truncation(max_len)
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
-    finally:
-        if truncation is None:
-            backend.no_truncation()
-        else:
-            backend.enable_truncation(**truncation)
-        if padding is not None:
-            backend.enable_padding(**padding)
