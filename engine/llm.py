@@ -194,8 +194,8 @@ class LLM(PoolingMixin):
                 chat_template_kwargs=chat_template_kwargs,
             )
             text = chat_utils.render_chat_text(tokenizer, conversation, **kwargs)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+            ids = chat_utils.tokenize_chat_text(tokenizer, text)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return prompts
 
     def _require_generation(self, method: str) -> None:
@@ -258,13 +258,10 @@ class LLM(PoolingMixin):
                 f"got {type(sampling_params).__name__}"
             )
         # Vocabulary-dependent checks, once per distinct params object.
-        tokenizer = self.llm_engine.tokenizer
         vocab = self.llm_engine.vocab_size
         for params in {id(p): p for p in params_list}.values():
             if params.bad_words:
                 params.resolve_bad_words(self._require_tokenizer("bad_words"))
-            elif tokenizer is not None:
-                params.resolve_bad_words(tokenizer)
             params.verify_token_ids(vocab)
         return params_list
 

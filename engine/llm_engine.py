@@ -156,7 +156,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         runner_out = self.runner.execute_model(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
-        finished_ids, stopped = self.outputs.process(updated, runner_out.logprobs)
+        finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         finished = []

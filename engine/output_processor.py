@@ -7,7 +7,7 @@ from typing import Any
 from .core.request import Request, RequestStatus
 from .outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from .tokenizer import IncrementalDetokenizer
-from .worker.model_runner import PromptLogprobsChunk, StepLogprobs, TokenLogprobs
+from .worker.model_runner import ModelRunnerOutput, PromptLogprobsChunk, TokenLogprobs
 
 
 class RequestState:
@@ -43,14 +43,14 @@ class OutputProcessor:
         self.states[request.request_id] = RequestState(request, prompt, self.tokenizer)
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, TokenLogprobs]
+        self, updated: list[Request], step: ModelRunnerOutput
     ) -> tuple[list[str], list[str]]:
         """Consume the step's new tokens.
 
         Args:
             updated: Requests that got a token this step.
-            logprobs: The runner's `StepLogprobs`: sampled-token logprobs, and also the
-                step's prompt-logprob chunks and sampling masks (a plain dict has neither).
+            step: The runner's output: sampled-token logprobs, prompt-logprob chunks and
+                sampling masks of this step.
 
         Returns:
             The ids of requests that are finished (build their outputs with `finish` once the
@@ -59,19 +59,17 @@ class OutputProcessor:
         """
         finished: list[str] = []
         stopped_by_string: list[str] = []
-        masks: dict[str, list[int]] = {}
-        if isinstance(logprobs, StepLogprobs):
-            masks = logprobs.sampling_masks
-            for rid, chunk in logprobs.prompt.items():
-                state = self.states.get(rid)
-                if state is not None and state.prompt_logprobs is not None:
-                    self._add_prompt_logprobs(state, chunk)
+        masks = step.sampling_masks
+        for rid, chunk in step.prompt_logprobs.items():
+            state = self.states.get(rid)
+            if state is not None and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, chunk)
         for request in updated:
             rid = request.request_id
             state = self.states[rid]
             token_id = request.output_token_ids[-1]
             params = request.sampling_params
-            entry = logprobs.get(rid)
+            entry = step.logprobs.get(rid)
             if state.logprobs is not None and entry is not None:
                 state.logprobs.append(self._logprob_dict(token_id, entry))
                 state.cumulative_logprob += entry.logprob

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,27 +57,17 @@ class PromptLogprobsChunk:
     top_logprobs: list[list[float]]
 
 
-class StepLogprobs(dict[str, TokenLogprobs]):
-    """Request id → logprobs of the token sampled for it this step.
-
-    A dict, so the engine loop hands it to the output processor unchanged; it also carries
-    the step's other per-request results that the output processor assembles.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.prompt: dict[str, PromptLogprobsChunk] = {}
-        """Request id → the prompt-logprob chunk computed this step."""
-        self.sampling_masks: dict[str, list[int]] = {}
-        """Request id → sorted ids of the tokens that survived filtering, when the runner's
-        `return_sampling_mask` is on."""
-
-
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     """Request id → the new token, for requests that reached their last token."""
-    logprobs: StepLogprobs = field(default_factory=StepLogprobs)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """Request id → logprobs of the token sampled for it (requests asking for logprobs)."""
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    """Request id → the prompt-logprob chunk computed this step."""
+    sampling_masks: dict[str, list[int]] = field(default_factory=dict)
+    """Request id → sorted ids of the tokens that survived filtering, when the runner's
+    `return_sampling_mask` is on."""
 
 
 @dataclass
@@ -106,7 +97,7 @@ class ModelRunner:
         model_cls = get_model_class(config.model.architecture)
         self.model = build_model(
             model_cls,
-            _path(config.model.path),
+            Path(config.model.path),
             self.dtype,
             self.device,
             config=hf_config,
@@ -369,7 +360,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if prompt_jobs:
             prompt_host = [host[f"prompt{i}"] for i in range(len(prompt_result))]
-            _unpack_prompt_logprobs(prompt_jobs, prompt_host, out.logprobs)
+            out.prompt_logprobs = _unpack_prompt_logprobs(prompt_jobs, prompt_host)
         if result is None:
             return out
         ids = host["ids"].tolist()
@@ -380,9 +371,7 @@ class ModelRunner:
                 masks = [np.flatnonzero(row[: self.vocab_size]).tolist() for row in bits]
             else:  # every row greedy: the mask is the argmax alone
                 masks = [[t] for t in ids]
-            out.logprobs.sampling_masks = {
-                r.request_id: m for r, m in zip(reqs, masks, strict=True)
-            }
+            out.sampling_masks = {r.request_id: m for r, m in zip(reqs, masks, strict=True)}
         if "lp" not in host:
             return out
         lp, ranks = host["lp"].tolist(), host["ranks"].tolist()
@@ -402,17 +391,18 @@ class ModelRunner:
 
 
 def _unpack_prompt_logprobs(
-    jobs: list[_PromptLogprobsJob], host: list[torch.Tensor], out: StepLogprobs
-) -> None:
+    jobs: list[_PromptLogprobsJob], host: list[torch.Tensor]
+) -> dict[str, PromptLogprobsChunk]:
     """Split the step's prompt-logprob rows (`[logprobs, ranks, top_ids?, top_logprobs?]`,
     in job order) into one chunk per request."""
     lp, ranks = host[0].tolist(), host[1].tolist()
     top_ids = host[2].tolist() if len(host) > 2 else None
     top_lp = host[3].tolist() if len(host) > 2 else None
+    out: dict[str, PromptLogprobsChunk] = {}
     lo = 0
     for job in jobs:
         hi, k = lo + job.num_positions, job.num_top
-        out.prompt[job.request_id] = PromptLogprobsChunk(
+        out[job.request_id] = PromptLogprobsChunk(
             start=job.start,
             logprobs=lp[lo:hi],
             ranks=ranks[lo:hi],
@@ -420,6 +410,7 @@ def _unpack_prompt_logprobs(
             top_logprobs=[row[:k] for row in top_lp[lo:hi]] if top_lp else [[] for _ in lp[lo:hi]],
         )
         lo = hi
+    return out
 
 
 def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -437,9 +428,3 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-def _path(path: str):
-    from pathlib import Path
-
-    return Path(path)

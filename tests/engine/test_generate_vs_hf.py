@@ -8,6 +8,7 @@ import pytest
 from batchlm.engine import LLM, SamplingParams
 
 from .hf_reference import hf_greedy
+from .probes import record_partial_prefills
 
 MAX_TOKENS = 16
 
@@ -75,7 +76,7 @@ def test_greedy_matches_hf_under_every_schedule(arch, tiny_model_factory):
 
     # 3. A 16-token step budget: prompts longer than that are prefilled in chunks.
     chunked = LLM(str(path), max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4)
-    chunks = _record_partial_prefills(chunked)
+    chunks = record_partial_prefills(chunked)
     assert run(chunked, prompts) == expected
     assert chunks, "no prompt was chunked"
 
@@ -104,17 +105,3 @@ def test_shared_prefixes_with_and_without_prefix_caching(
     # Run again: everything (prompts and outputs) is now cached when caching is on.
     assert run(llm, prompts) == expected
     assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.num_kv_blocks
-
-
-def _record_partial_prefills(llm: LLM) -> list[str]:
-    scheduler = llm.llm_engine.scheduler
-    original = scheduler.schedule
-    partial: list[str] = []
-
-    def schedule():
-        out = original()
-        partial.extend(s.request_id for s in out.scheduled if not s.needs_sample)
-        return out
-
-    scheduler.schedule = schedule
-    return partial

@@ -9,6 +9,7 @@ import torch
 from batchlm.engine import LLM, SamplingParams
 
 from .hf_reference import hf_greedy, load_hf
+from .probes import record_partial_prefills
 
 ATOL = 1e-4
 WORDS = (
@@ -67,16 +68,7 @@ def check(path: str, prompt: list[int], got, k: int) -> None:
 def test_prompt_logprobs_with_chunked_prefill(path):
     llm = LLM(path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
     prompts = make_prompts(llm.get_tokenizer(), [1, 2, 17, 40, 63, 30])
-    scheduler = llm.llm_engine.scheduler
-    original = scheduler.schedule
-    partial: list[str] = []
-
-    def schedule():
-        out = original()
-        partial.extend(s.request_id for s in out.scheduled if not s.needs_sample)
-        return out
-
-    scheduler.schedule = schedule
+    partial = record_partial_prefills(llm)
     ks = [0, 3, 5, 0, 2, 5]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=k)
