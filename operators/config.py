@@ -1,0 +1,117 @@
+"""`OperatorConfig`: one engine task over table rows, shared by the Ray and Spark front ends.
+
+It names the model and engine options (what `LLM(...)` takes), the row contract's task and
+params (`RowSpec`), and how the front end batches and parallelises. It is plain data, so it
+travels to actors and Python workers and hashes to a stable key.
+
+Example:
+    >>> config = OperatorConfig.create(
+    ...     "sentence-transformers/all-MiniLM-L6-v2", "embed", batch_size=256, concurrency=2
+    ... )
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .rows import ModelInfo, RowContractError, RowSpec
+
+_ROW_FIELDS = {f.name for f in fields(RowSpec) if f.init}
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything an engine stage needs; build it with `OperatorConfig.create(...)`."""
+
+    model: str
+    """A local folder, a `.gguf` file or a model name that resolves offline."""
+    spec: RowSpec
+    """The task, its input columns and its sampling / pooling params."""
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments for `LLM(model, **engine_kwargs)` (dtype, max_model_len, ...)."""
+    batch_size: int = 64
+    """Rows per batch handed to the engine stage."""
+    concurrency: int = 1
+    """Engine replicas (Ray actors); each loads the model once."""
+    num_gpus: float | None = None
+    """GPUs per replica; None: `tensor_parallel_size` on a CUDA machine, else 0."""
+    max_batch_retries: int = 2
+    """Times a batch is retried on a fresh engine after an engine failure (not a bad row)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise RowContractError(f"model={self.model!r} must be a non-empty path or name")
+        for name in ("batch_size", "concurrency"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RowContractError(f"{name}={value!r} must be an integer >= 1")
+        if self.max_batch_retries < 0:
+            raise RowContractError(f"max_batch_retries={self.max_batch_retries} must be >= 0")
+        if "model" in self.engine_kwargs:
+            raise RowContractError("engine_kwargs must not repeat 'model'; pass it as model=")
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        task: str,
+        *,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> OperatorConfig:
+        """Row-contract fields (`prompt_column`, `sampling_params`, ...) and the stage's own
+        fields (`batch_size`, `concurrency`, ...) in one call."""
+        row = {k: kwargs.pop(k) for k in list(kwargs) if k in _ROW_FIELDS}
+        own = {f.name for f in fields(cls)} - {"model", "spec", "engine_kwargs"}
+        unknown = sorted(set(kwargs) - own)
+        if unknown:
+            valid = sorted(own | _ROW_FIELDS - {"task"})
+            raise RowContractError(
+                f"unknown option(s) {unknown}; valid: {', '.join(valid)} "
+                "(engine options go in engine_kwargs)"
+            )
+        return cls(
+            model=model,
+            spec=RowSpec(task=task, **row),
+            engine_kwargs=dict(engine_kwargs or {}),
+            **kwargs,
+        )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["spec"] = self.spec.to_dict()
+        out["engine_kwargs"] = dict(self.engine_kwargs)
+        return out
+
+    def fingerprint(self) -> str:
+        """Stable across processes: the key for engine caches and job manifests."""
+        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def engine_fingerprint(self) -> str:
+        """What determines the engine itself (model and engine options), not the rows."""
+        text = json.dumps([self.model, dict(self.engine_kwargs)], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def build_llm(self) -> Any:
+        from batchlm.engine import LLM
+
+        return LLM(self.model, **self.engine_kwargs)
+
+    def model_info(self) -> ModelInfo:
+        """Reads the model's config (no weights) for the declared output schema."""
+        from batchlm.engine.engine_args import EngineArgs
+
+        args = EngineArgs.from_kwargs(self.model, **self.engine_kwargs)
+        return ModelInfo.from_hf_config(args.create_engine_config().model.hf_config)
+
+
+__all__ = ["OperatorConfig"]
