@@ -1,0 +1,361 @@
+"""Paged attention for decode steps: one new query token per sequence.
+
+Each program takes one (sequence, kv head, context split) and reads that split's keys and
+values from the paged cache once for all the query heads that share the kv head (GQA: the
+group's heads are the rows of one `tl.dot`). Long contexts are cut into `num_splits`
+partitions processed in parallel (split-K / flash-decoding); each writes an unnormalised
+partial result with its log-sum-exp, and a second kernel merges the partitions. With one
+split the first kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    NO_WINDOW,
+    cdiv,
+    check_paged_attention,
+    check_same_device,
+    dot_dtype,
+    next_power_of_2,
+    num_sms,
+)
+
+__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
+
+# Keys per inner-loop tile. Independent of the cache block size: each key's block is looked
+# up on its own, so any block size works.
+_BLOCK_N = 64
+# A split shorter than this costs more in the merge than it saves.
+_MIN_PARTITION = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["sliding_window"])
+def _decode_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    out_ptr,  # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim], query dtype;
+    # else [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 (normalised per split)
+    lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2-sum-exp2 of each split
+    scale_log2,  # softmax scale * log2(e)
+    sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
+    partition_size,  # keys per split, a multiple of BLOCK_N
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # The query sits at position seq_len - 1; a window keeps keys > seq_len - 1 - window.
+    first_key = tl.maximum(seq_len - sliding_window, 0)
+    start = first_key + split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        query_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    table_ptr = block_tables_ptr + seq * stride_bt
+    k_head_ptr = key_cache_ptr + kv_head * stride_kh
+    v_head_ptr = value_cache_ptr + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_head_ptr
+            + blocks[:, None] * stride_kb
+            + in_block[:, None] * stride_ks
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        # Every tile holds at least one valid key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head_ptr
+            + blocks[:, None] * stride_vb
+            + in_block[:, None] * stride_vs
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee"
+        )
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # An empty split (past the end of a shorter sequence) stores l = 0: lse = -inf.
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(
+            out_ptr
+            + seq * stride_ot
+            + heads[:, None] * stride_oh
+            + split * stride_os
+            + offs_d[None, :],
+            out,
+            mask=out_mask,
+        )
+        tl.store(lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
+    lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(
+        lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=s_mask, other=float("-inf")
+    )  # [BLOCK_S]
+    # Split 0 always holds keys (every sequence has at least one), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    partial = tl.load(
+        partial_ptr
+        + seq * stride_pt
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(partial * weights[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
+    """How many context partitions keep the device busy: enough programs to fill every SM
+    twice, but no partition shorter than `_MIN_PARTITION` keys."""
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms(device)
+    if programs >= target:
+        return 1
+    by_length = max_context_len // _MIN_PARTITION
+    return max(1, min(cdiv(target, programs), by_length, _MAX_SPLITS))
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    Args:
+        query: `[num_seqs, num_heads, head_dim]`; row i is sequence i's token at position
+            `seq_lens[i] - 1` (its key / value already written to the cache).
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        value_cache: Same shape and dtype as `key_cache`.
+        block_tables: `[num_seqs, max_num_blocks]` int32 / int64 block ids per sequence.
+        seq_lens: `[num_seqs]` int32 / int64 context lengths, each >= 1.
+        scale: Softmax scale.
+        max_seq_len: An upper bound of `seq_lens` (from the host: sizes the splits).
+        sliding_window: Attend only to the last `sliding_window` positions.
+        num_splits: Context partitions; None picks by occupancy (`choose_num_splits`).
+        out: Optional `[num_seqs, num_heads, head_dim]` output buffer.
+
+    Returns:
+        `[num_seqs, num_heads, head_dim]` in the query's dtype.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    group = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, num_seqs)
+    device = check_same_device(
+        _decode_kernel,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+    )
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {tuple(query.shape)} {query.dtype} with stride 1 in its last "
+            f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    if num_seqs == 0:
+        return out
+    num_kv_heads = key_cache.shape[2]
+    context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, context, device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    partition_size = cdiv(cdiv(context, num_splits), _BLOCK_N) * _BLOCK_N
+    num_splits = cdiv(context, partition_size)
+
+    block_d = next_power_of_2(head_dim)
+    if num_splits == 1:
+        partial, lse = out, out  # lse is unused
+        stride_p, stride_l = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        partial = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+        )
+        lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
+        stride_p, stride_l = partial.stride()[:3], lse.stride()[:2]
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        partial,
+        lse,
+        scale * math.log2(math.e),
+        sliding_window or NO_WINDOW,
+        partition_size,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        *stride_p,
+        *stride_l,
+        GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial,
+            lse,
+            out,
+            *stride_p,
+            *stride_l,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=next_power_of_2(num_splits),
+        )
+    return out
+
+
+def decode_attention_ref(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """`decode_attention` in plain PyTorch (float32 math), one sequence at a time."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i].long()[positions // block_size]
+        slots = (blocks, positions % block_size)
+        k = key_cache[slots].float().repeat_interleave(group, 1)  # [seq_len, num_heads, d]
+        v = value_cache[slots].float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale  # [num_heads, seq_len]
+        if sliding_window is not None:
+            scores[:, positions <= seq_len - 1 - sliding_window] = float("-inf")
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)
+    return out

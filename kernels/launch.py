@@ -1,0 +1,149 @@
+"""Checks and sizes shared by the kernel launchers (no kernels here).
+
+Launchers validate everything a kernel would silently misread (dtype, rank, sizes, the unit
+stride of the last dimension, the device) and raise `ValueError` naming the argument and
+what was expected, so a caller bug surfaces as a message instead of wrong numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+import triton.language as tl
+
+from . import interpret
+
+interpret.enable()
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+# Sliding window passed to kernels when there is none: farther than any position, and small
+# enough that `position - NO_WINDOW` cannot overflow int32.
+NO_WINDOW = 1 << 30
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    shape: dict[int, int] | None = None,
+    last_dim_contiguous: bool = True,
+) -> torch.Tensor:
+    """Raise `ValueError` unless `tensor` has the given rank, dtype and sizes.
+
+    Args:
+        name: The argument name used in messages.
+        tensor: The value to check.
+        ndim: Expected rank.
+        dtypes: Accepted dtypes.
+        shape: `{dim: size}` sizes that must match.
+        last_dim_contiguous: Require stride 1 in the last dimension (kernels index it densely).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if tensor.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"{name} has dtype {tensor.dtype}; expected one of {names}")
+    for dim, size in (shape or {}).items():
+        if tensor.shape[dim] != size:
+            raise ValueError(
+                f"{name} has size {tensor.shape[dim]} in dimension {dim} (shape "
+                f"{tuple(tensor.shape)}); expected {size}"
+            )
+    if last_dim_contiguous and tensor.dim() and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension, got {tensor.stride()}")
+    return tensor
+
+
+def check_same_device(kernel: object, **tensors: torch.Tensor) -> torch.device:
+    """The common device of `tensors`; raises unless it is CUDA or the kernel is interpreted."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        where = ", ".join(f"{n}: {t.device}" for n, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device; got {where}")
+    device = devices.pop()
+    if device.type != "cuda" and not is_interpreted(kernel):
+        raise ValueError(
+            f"Triton kernels run on CUDA tensors, got {device}. On CPU they run only in Triton's "
+            "interpreter (slow, for tests): set TRITON_INTERPRET=1 before batchlm.kernels is "
+            "imported, or use the PyTorch path"
+        )
+    return device
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether `kernel` was decorated while TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a small stand-in on CPU)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+) -> int:
+    """Validate the arguments every paged attention kernel shares; returns the GQA group size.
+
+    Shapes: query `[num_tokens, num_heads, head_dim]`; each cache
+    `[num_blocks, block_size, num_kv_heads, head_dim]`; block_tables
+    `[num_seqs, max_num_blocks]`; seq_lens `[num_seqs]`.
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, shape={3: head_dim})
+    check_tensor(
+        "value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,),
+        shape=dict(enumerate(key_cache.shape)),
+    )  # fmt: skip
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"query has {num_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads"
+        )
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape={0: num_seqs})
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_seqs})
+    return num_heads // num_kv_heads
+
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def dot_dtype(dtype: torch.dtype, kernel: object) -> tl.dtype:
+    """The dtype `tl.dot` operands are cast to for activations of `dtype`.
+
+    The activations' own dtype, except bfloat16 under the interpreter, whose `tl.dot` reads
+    bfloat16 operands as raw integers (Triton 3.6): there it multiplies in float32.
+    """
+    if dtype == torch.bfloat16 and is_interpreted(kernel):
+        return tl.float32
+    return _TL_DTYPES[dtype]

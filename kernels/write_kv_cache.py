@@ -1,0 +1,148 @@
+"""Store a step's new keys and values into the paged KV cache, by slot.
+
+The cache layout is the model runner's: `[num_blocks, block_size, num_kv_heads, head_dim]`
+per tensor (keys and values are `kv_cache[0]` and `kv_cache[1]`), and token `t` goes to
+slot `slot_mapping[t] = block * block_size + offset`. A negative slot means "padding, do not
+write" (padded batches, e.g. for CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
+
+__all__ = ["write_kv_cache", "write_kv_cache_ref"]
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int32 / int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
+    )
+    v = tl.load(
+        value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
+    )
+    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs
+    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs
+    tl.store(
+        k_dst + offs_h[:, None] * stride_kch + offs_d[None, :],
+        k.to(key_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_dst + offs_h[:, None] * stride_vch + offs_d[None, :],
+        v.to(value_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key[t]` / `value[t]` to slot `slot_mapping[t]` of the caches, in place.
+
+    Args:
+        key: `[num_tokens, num_kv_heads, head_dim]`, any float dtype (cast to the cache's).
+        value: Same shape as `key`.
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        value_cache: Same shape and dtype as `key_cache`.
+        slot_mapping: `[num_tokens]` int32 / int64; negative entries are skipped.
+    """
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, shape=dict(enumerate(key.shape)))
+    check_tensor(
+        "key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, shape={2: num_kv_heads, 3: head_dim}
+    )
+    check_tensor("value_cache", value_cache, ndim=4, shape=dict(enumerate(key_cache.shape)))
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache has dtype {value_cache.dtype}, key_cache {key_cache.dtype}; "
+            "they must match"
+        )
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_tokens})
+    check_same_device(
+        _write_kv_cache_kernel,
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slot_mapping,
+    )
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
+    )
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """`write_kv_cache` in plain PyTorch."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
