@@ -1,0 +1,281 @@
+"""Paged attention for prefill and mixed batches: variable-length queries over cached context.
+
+Sequence `i` contributes query tokens `query_start_loc[i]:query_start_loc[i + 1]`, its last
+`query_len` positions `[seq_len - query_len, seq_len)`; its keys and values, including the
+new ones, are already in the paged cache. That covers fresh prefills (`query_len ==
+seq_len`), prefix-cache hits and chunked prefills (a cached prefix before the queries) and
+decode tokens (`query_len == 1`) in one launch.
+
+Each program takes a tile of query tokens of one sequence and all the query heads of one kv
+head: the tile's rows are (token, head-in-group) pairs, so keys and values are read once per
+group (GQA). It streams the keys the tile can see (causal, optionally windowed) in tiles of
+`BLOCK_N` with an online softmax (FlashAttention-2 style).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    INDEX_DTYPES,
+    NO_WINDOW,
+    cdiv,
+    check_paged_attention,
+    check_same_device,
+    check_tensor,
+    dot_dtype,
+    next_power_of_2,
+)
+
+__all__ = ["prefill_attention", "prefill_attention_ref"]
+
+# Below any real scaled score, yet finite: a row with no visible key in a tile keeps
+# m = _NEG_BIG, and exp2(-inf - _NEG_BIG) = 0 instead of exp2(-inf + inf) = nan.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit(do_not_specialize=["sliding_window"])
+def _prefill_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    scale_log2,  # softmax scale * log2(e)
+    sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # position of the first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // GROUP  # [BLOCK_M] token index within the sequence's queries
+    heads = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+    row_mask = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        query_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    q_pos = context_len + tok  # [BLOCK_M]
+
+    # Keys visible to some row of the tile: up to its last token, back to its first token's
+    # window.
+    end = context_len + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
+    start = tl.maximum(context_len + first_tok - sliding_window + 1, 0)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    k_head_ptr = key_cache_ptr + kv_head * stride_kh
+    v_head_ptr = value_cache_ptr + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_head_ptr
+            + blocks[:, None] * stride_kb
+            + in_block[:, None] * stride_ks
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+        distance = q_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        visible = (distance >= 0) & (distance < sliding_window) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head_ptr
+            + blocks[:, None] * stride_vb
+            + in_block[:, None] * stride_vs
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee"
+        )
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Args:
+        query: `[num_tokens, num_heads, head_dim]`, the sequences' query tokens back to back.
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, already holding this
+            step's keys.
+        value_cache: Same shape and dtype as `key_cache`.
+        block_tables: `[num_seqs, max_num_blocks]` int32 / int64 block ids per sequence.
+        seq_lens: `[num_seqs]` int32 / int64 context lengths after this step, each >= the
+            sequence's query length.
+        query_start_loc: `[num_seqs + 1]` int32 / int64 cumulative query lengths, starting
+            at 0 and ending at `num_tokens`.
+        scale: Softmax scale.
+        max_query_len: An upper bound of the query lengths (from the host: sizes the grid).
+        sliding_window: Attend only to the last `sliding_window` positions (self included).
+        out: Optional `[num_tokens, num_heads, head_dim]` output buffer.
+
+    Returns:
+        `[num_tokens, num_heads, head_dim]` in the query's dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    group = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, num_seqs)
+    check_tensor(
+        "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_seqs + 1}
+    )
+    check_same_device(
+        _prefill_kernel,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
+    if max_query_len < 1 and num_tokens:
+        raise ValueError(f"max_query_len={max_query_len} must be >= 1")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {tuple(query.shape)} {query.dtype} with stride 1 in its last "
+            f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    num_kv_heads = key_cache.shape[2]
+    # Rows of a tile are (token, head) pairs: at least 64, and at least one token's heads.
+    block_m = max(64, next_power_of_2(group))
+    tokens_per_tile = block_m // group
+    wide = query.dtype == torch.float32 or head_dim > 128
+    grid = (cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * math.log2(math.e),
+        sliding_window or NO_WINDOW,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        TOKENS_PER_TILE=tokens_per_tile,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_N=32 if wide else 64,
+        DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
+    )
+    return out
+
+
+def prefill_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`prefill_attention` in plain PyTorch (float32 math), one sequence at a time."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i].long()[positions // block_size]
+        slots = (blocks, positions % block_size)
+        k = key_cache[slots].float().repeat_interleave(group, 1)  # [seq_len, num_heads, d]
+        v = value_cache[slots].float().repeat_interleave(group, 1)
+        q = query[start:end].float()  # [q_len, num_heads, d]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
+        q_pos = positions[seq_len - (end - start) :]
+        distance = q_pos[:, None] - positions[None, :]  # [q_len, seq_len]
+        visible = distance >= 0
+        if sliding_window is not None:
+            visible &= distance < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
