@@ -1,0 +1,196 @@
+"""Rotary position embedding (GPT-NeoX "rotate half" layout) from a cos / sin table.
+
+Every rope scaling the models support (linear, dynamic NTK, llama3, yarn and its attention
+factor) is folded into the table `RotaryEmbedding` builds, so the kernel only looks up each
+token's row and rotates: for channel pairs `(i, i + rotary_dim / 2)`,
+`x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin`. Channels past `rotary_dim` pass through.
+Math is in float32 with one rounding. Pure: returns new query / key tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
+
+__all__ = ["RotaryOutput", "rotary_embedding", "rotary_embedding_ref"]
+
+
+class RotaryOutput(NamedTuple):
+    query: torch.Tensor
+    """`[num_tokens, num_heads, head_dim]`, rotated."""
+    key: torch.Tensor
+    """`[num_tokens, num_kv_heads, head_dim]`, rotated."""
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,  # this token's [num_heads, head_dim] rows
+    dst_ptr,
+    stride_sh,
+    stride_dh,
+    cos,  # [1, BLOCK_HALF] float32
+    sin,  # [1, BLOCK_HALF] float32
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (offs_h < NUM_HEADS) & (offs_c < HALF)
+    src = src_ptr + offs_h * stride_sh + offs_c
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + offs_h * stride_dh + offs_c
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens]
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_ptr,  # [2, max_position, rotary_dim] float32
+    query_out_ptr,  # [num_tokens, num_heads, head_dim]
+    key_out_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_oqt,
+    stride_oqh,
+    stride_okt,
+    stride_okh,
+    stride_cs,  # between the cos and the sin table
+    stride_cp,  # between positions
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
+    # The table repeats its first half (cat([freqs, freqs])): one half serves both.
+    row = cos_sin_ptr + pos * stride_cp + offs_c
+    cos = tl.load(row, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + stride_cs, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        query_ptr + token * stride_qt,
+        query_out_ptr + token * stride_oqt,
+        stride_qh,
+        stride_oqh,
+        cos,
+        sin,
+        NUM_HEADS,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        key_ptr + token * stride_kt,
+        key_out_ptr + token * stride_okt,
+        stride_kh,
+        stride_okh,
+        cos,
+        sin,
+        NUM_KV_HEADS,
+        HALF,
+        BLOCK_KV_H,
+        BLOCK_HALF,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> RotaryOutput:
+    """Rotate the first `rotary_dim` channels of every query and key head by position.
+
+    Args:
+        positions: `[num_tokens]` int32 / int64 positions, each < `max_position`.
+        query: `[num_tokens, num_heads, head_dim]`.
+        key: `[num_tokens, num_kv_heads, head_dim]`, same dtype as `query`.
+        cos_sin: `[2, max_position, rotary_dim]` float32: `cos_sin[0]` the cosines,
+            `cos_sin[1]` the sines, each with its second half equal to its first.
+
+    Returns:
+        New contiguous query and key tensors.
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = query.shape
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), shape={0: num_tokens, 2: head_dim})
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_tokens})
+    check_tensor("cos_sin", cos_sin, ndim=3, dtypes=(torch.float32,), shape={0: 2})
+    rotary_dim = cos_sin.shape[2]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"cos_sin has rotary_dim={rotary_dim}; it must be even and <= head_dim={head_dim}"
+        )
+    check_same_device(_rotary_kernel, positions=positions, query=query, key=key, cos_sin=cos_sin)
+    query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    if rotary_dim < head_dim:
+        query_out[..., rotary_dim:] = query[..., rotary_dim:]
+        key_out[..., rotary_dim:] = key[..., rotary_dim:]
+    if num_tokens == 0:
+        return RotaryOutput(query_out, key_out)
+    num_kv_heads = key.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        query,
+        key,
+        cos_sin,
+        query_out,
+        key_out,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        query_out.stride(0),
+        query_out.stride(1),
+        key_out.stride(0),
+        key_out.stride(1),
+        cos_sin.stride(0),
+        cos_sin.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=rotary_dim // 2,
+        BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_KV_H=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+    )
+    return RotaryOutput(query_out, key_out)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [2, max_position, rotary_dim]
+) -> RotaryOutput:
+    """`rotary_embedding` in plain PyTorch (float32 math)."""
+    table = cos_sin[:, positions.long()]  # [2, num_tokens, rotary_dim]
+    cos, sin = table[0][:, None], table[1][:, None]  # [num_tokens, 1, rotary_dim]
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        rot = x[..., :rotary_dim].float()
+        turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = x.clone()
+        out[..., :rotary_dim] = (rot * cos + turned * sin).to(x.dtype)
+        return out
+
+    return RotaryOutput(rotate(query), rotate(key))
