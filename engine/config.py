@@ -113,7 +113,11 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     disable_log_stats: bool = False
-    """Skip collecting per-step statistics for logs and metrics."""
+    """Skip collecting statistics: no metrics (`get_metrics`), no `RequestOutput.metrics`,
+    no periodic statistics log. `LLM` turns it on unless asked otherwise, as vLLM does."""
+    metrics_port: int | None = None
+    """Serve the engine's Prometheus registry over HTTP on this port (0: any free port);
+    None serves nothing. For long jobs scraped by Prometheus."""
     return_sampling_mask: bool = False
     """Return, per generated token, the token ids that survived top-k / top-p / min-p."""
 

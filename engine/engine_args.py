@@ -53,6 +53,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None
     disable_log_stats: bool = False
+    metrics_port: int | None = None
     return_sampling_mask: bool = False
     runner: str = "auto"
     convert: str = "auto"
@@ -138,6 +139,7 @@ class EngineArgs:
                 device=device, attention_backend=backend, enforce_eager=self.enforce_eager
             ),
             disable_log_stats=self.disable_log_stats,
+            metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
         )
 
@@ -229,6 +231,17 @@ class EngineArgs:
         util = self.gpu_memory_utilization
         if not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise InvalidParamError(f"gpu_memory_utilization={util!r} must be in (0, 1]")
+        port = self.metrics_port
+        if port is not None:
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise InvalidParamError(
+                    f"metrics_port={port!r} must be a port number in [0, 65535] (0: any free port)"
+                )
+            if self.disable_log_stats:
+                raise InvalidParamError(
+                    f"metrics_port={port} serves statistics, but disable_log_stats=True turns "
+                    "them off; drop one of the two"
+                )
         if self.tensor_parallel_size != 1:
             raise InvalidParamError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported so far"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from .errors import InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
+from .metrics import Metric
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -30,7 +32,9 @@ class LLM(PoolingMixin):
             `seed`, `revision`, `chat_template`, `block_size`, `enable_prefix_caching`,
             `max_num_seqs`, `max_num_batched_tokens`, `gpu_memory_utilization`,
             `kv_cache_memory_bytes`, `skip_tokenizer_init`, `return_sampling_mask`, ...).
-            An unknown name raises `TypeError` listing the valid ones.
+            An unknown name raises `TypeError` listing the valid ones. As in vLLM,
+            statistics are off unless `disable_log_stats=False` (or `metrics_port=` is
+            given): they feed `get_metrics()`, `RequestOutput.metrics` and a periodic log line.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -40,12 +44,41 @@ class LLM(PoolingMixin):
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        if "disable_log_stats" not in kwargs:
+            kwargs["disable_log_stats"] = kwargs.get("metrics_port") is None
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._request_counter = itertools.count()
         self._enqueued: list[str] = []
+        # Runs once: on shutdown(), when the LLM is garbage collected, or at exit.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+        self.llm_engine.start_metrics_server()
 
     # ---- housekeeping -----------------------------------------------------------------
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's Prometheus metrics as `Counter`, `Gauge`, `Histogram`
+        and `Vector` values (from `batchlm.engine.metrics`), named `batchlm:*`.
+
+        Needs statistics: build the LLM with `disable_log_stats=False`.
+
+        Example:
+            >>> llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", disable_log_stats=False)
+            >>> llm.generate(["Hello"])
+            >>> {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        """
+        metrics = self.llm_engine.metrics
+        if metrics is None:
+            raise RuntimeError(
+                "get_metrics() needs statistics, and this LLM was built without them "
+                "(disable_log_stats=True, the default as in vLLM); pass "
+                "LLM(..., disable_log_stats=False)"
+            )
+        return metrics.snapshot()
+
+    def shutdown(self) -> None:
+        """Release the engine's background resources (metrics server); idempotent."""
+        self._finalizer()
 
     def get_tokenizer(self) -> Any:
         """The transformers tokenizer (None with `skip_tokenizer_init=True`)."""

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .core.kv_cache import KVCacheManager
 from .core.request import Request, RequestStatus
-from .core.scheduler import Scheduler, SchedulerStats
+from .core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from .errors import InvalidParamError
+from .metrics import EngineMetrics, FinishedRequestStats
 from .output_processor import OutputProcessor
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
 from .worker.model_runner import ModelRunner
@@ -32,6 +34,7 @@ class _ParentRequest:
     child_ids: list[str]
     completions: dict[int, CompletionOutput]
     first_output: RequestOutput | None = None
+    metrics: list[RequestMetrics | None] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -52,6 +55,11 @@ class LLMEngine:
         self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
         self.vocab_size = int(mc.hf_config.vocab_size)
         self.pooling_runner: PoolingRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.metrics: EngineMetrics | None = None
+        """Prometheus metrics; None with `disable_log_stats`."""
+        if not config.disable_log_stats:
+            self.metrics = EngineMetrics(mc.model, mc.max_model_len, self.stats)
         if mc.runner_type == "pooling":
             from .worker.pooling_runner import PoolingRunner
 
@@ -76,7 +84,20 @@ class LLMEngine:
         self._parents: dict[str, _ParentRequest] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
         self._stash: dict[str, RequestOutput] = {}
+        self._unscheduled: dict[str, Request] = {}
+        """With statistics on: requests not scheduled yet (their first_scheduled_time)."""
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+
+    def start_metrics_server(self) -> None:
+        """Serve the metrics over HTTP when `metrics_port` asks for it (after construction,
+        so that a failed engine leaves no server behind)."""
+        if self.metrics is not None and self.config.metrics_port is not None:
+            self.metrics.start_http_server(self.config.metrics_port)
+
+    def shutdown(self) -> None:
+        """Stop the metrics server (idempotent)."""
+        if self.metrics is not None:
+            self.metrics.shutdown()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -122,6 +143,9 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
         )
+        if self.metrics is not None:
+            request.metrics = RequestMetrics(arrival_time=time.time())
+            self._unscheduled[request_id] = request
         self.scheduler.add_request(request)
         self.outputs.add_request(request, prompt)
 
@@ -136,6 +160,8 @@ class LLMEngine:
             ids.extend(parent.child_ids)
             for child_id in parent.child_ids:
                 self._child_parent.pop(child_id, None)
+        if self.metrics is not None:
+            self._record_aborts(ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.outputs.states.pop(rid, None)
@@ -154,11 +180,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests that finished in it."""
         sched_out = self.scheduler.schedule()
+        if self._unscheduled:
+            self._record_scheduled(sched_out.scheduled)
         runner_out = self.runner.execute_model(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.metrics is not None:
+            self._record_step(updated, finished_ids)
         finished = []
         for rid in finished_ids:
             out = self.outputs.finish(rid)
@@ -176,6 +206,7 @@ class LLMEngine:
         completion = out.outputs[0]
         completion.index = index
         parent.completions[index] = completion
+        parent.metrics.append(out.metrics)
         if parent.first_output is None:
             parent.first_output = out
         if len(parent.completions) < len(parent.child_ids):
@@ -184,10 +215,73 @@ class LLMEngine:
         first = parent.first_output
         first.request_id = parent_id
         first.outputs = [parent.completions[i] for i in range(len(parent.child_ids))]
+        if first.metrics is not None:
+            first.metrics = RequestMetrics.merge([m for m in parent.metrics if m is not None])
         return first
 
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    # ---- statistics -------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats | None:
+        """The scheduler's counts (None for pooling models, which have no scheduler)."""
+        return self.scheduler.stats() if self.scheduler is not None else None
+
+    def _record_scheduled(self, scheduled: list[ScheduledRequest]) -> None:
+        now = time.time()
+        for sched in scheduled:
+            request = self._unscheduled.pop(sched.request_id, None)
+            if request is not None:
+                request.metrics.first_scheduled_time = now
+
+    def _record_step(self, updated: list[Request], finished_ids: list[str]) -> None:
+        """Token counts and latencies of the step that just ran (timestamps on each request)."""
+        now = time.time()
+        first_latencies: list[float] = []
+        gaps: list[float] = []
+        num_prompt_tokens = 0
+        for request in updated:
+            m = request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                first_latencies.append(now - m.arrival_time)
+                num_prompt_tokens += request.num_prompt_tokens
+            else:
+                gaps.append(now - m.last_token_time)
+            m.last_token_time = now
+        metrics = self.metrics
+        metrics.record_step(first_latencies, gaps, num_prompt_tokens, len(updated))
+        if finished_ids:
+            finished = []
+            for rid in finished_ids:
+                request = self.outputs.states[rid].request
+                request.metrics.finished_time = now
+                finished.append(
+                    FinishedRequestStats(
+                        request.status.finish_reason or "stop",
+                        now - request.metrics.arrival_time,
+                        request.num_prompt_tokens,
+                        request.num_output_tokens,
+                    )
+                )
+            metrics.record_finished(finished)
+        metrics.log_if_due()
+
+    def _record_aborts(self, request_ids: list[str]) -> None:
+        now = time.time()
+        finished = []
+        for rid in request_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is None or request.metrics is None:
+                continue
+            self._unscheduled.pop(rid, None)
+            finished.append(
+                FinishedRequestStats(
+                    "abort",
+                    now - request.metrics.arrival_time,
+                    request.num_prompt_tokens,
+                    request.num_output_tokens,
+                )
+            )
+        self.metrics.record_finished(finished)
 
 
 def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,10 +51,12 @@ class PoolingMixin:
             >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
+        start = time.perf_counter()
         runner = self._pooling_runner("embed", "embed")
         with _gc_paused():
             inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
             vectors = runner.embed(inputs, params, as_lists=True)
+            self._record_pooling(inputs, start)
             return [
                 EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), x.token_ids)
                 for v, x in zip(vectors, inputs, strict=True)
@@ -67,10 +70,12 @@ class PoolingMixin:
         use_tqdm: bool = True,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
+        start = time.perf_counter()
         runner = self._pooling_runner("classify", "classify")
         with _gc_paused():
             inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
             probs = runner.classify(inputs, params)
+        self._record_pooling(inputs, start)
         return [
             ClassificationRequestOutput(
                 self._next_id(), ClassificationOutput(p.tolist()), x.token_ids
@@ -93,6 +98,7 @@ class PoolingMixin:
         """
         from .worker.pooling_runner import PoolingInput
 
+        start = time.perf_counter()
         runner = self._pooling_runner("score", None)
         left, right = _score_pairs(data_1, data_2)
         params = pooling_params or PoolingParams()
@@ -118,11 +124,13 @@ class PoolingMixin:
             for i, x in enumerate(inputs):
                 self._check_pooling_input(i, x.token_ids, check_ids=False)
             values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
+            self._record_pooling(inputs, start)
         else:
             texts = list(dict.fromkeys([*left, *right]))
             text_inputs, _ = self._pooling_inputs(texts, None, truncate_prompt_tokens)
             unit = [PoolingParams(normalize=True)] * len(text_inputs)
             vectors = dict(zip(texts, runner.embed(text_inputs, unit), strict=True))
+            self._record_pooling(text_inputs, start)
             values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
             by_text = dict(zip(texts, text_inputs, strict=True))
             inputs = [by_text[a] for a in left]  # the query side's tokens
@@ -146,6 +154,7 @@ class PoolingMixin:
                 f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
                 "'token_embed'"
             )
+        start = time.perf_counter()
         runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
         inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
         if pooling_task == "embed":
@@ -154,10 +163,18 @@ class PoolingMixin:
             data = runner.classify(inputs, params)
         else:
             data = runner.token_embed(inputs)
+        self._record_pooling(inputs, start)
         return [
             PoolingRequestOutput(self._next_id(), PoolingOutput(d), x.token_ids)
             for d, x in zip(data, inputs, strict=True)
         ]
+
+    def _record_pooling(self, inputs: list[PoolingInput], start: float) -> None:
+        """Count a finished pooling call in the metrics (each input is one request)."""
+        metrics = self.llm_engine.metrics
+        if metrics is not None:
+            elapsed = time.perf_counter() - start
+            metrics.record_pooling([len(x.token_ids) for x in inputs], elapsed)
 
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
         runner = self.llm_engine.pooling_runner

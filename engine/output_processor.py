@@ -143,4 +143,5 @@ class OutputProcessor:
             finished=True,
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=request.metrics,
         )

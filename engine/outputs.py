@@ -25,6 +25,57 @@ prompt token (with its rank among all tokens) and the top-k at that position."""
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (`time.time()`, seconds) of one request, filled when the engine
+    collects statistics (`LLM(..., disable_log_stats=False)`)."""
+
+    arrival_time: float
+    """When the request entered the engine."""
+    first_scheduled_time: float | None = None
+    """When the scheduler first gave it tokens to compute."""
+    first_token_time: float | None = None
+    """When its first output token was sampled."""
+    last_token_time: float | None = None
+    """When its latest output token was sampled."""
+    finished_time: float | None = None
+    """When it finished."""
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds between arrival and first scheduling."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds between arrival and the first token (time to first token)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @staticmethod
+    def merge(parts: list[RequestMetrics]) -> RequestMetrics:
+        """The span of several requests run for one prompt (the n samples of `n > 1`)."""
+
+        def first(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return min(present) if present else None
+
+        def last(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return max(present) if present else None
+
+        return RequestMetrics(
+            arrival_time=min(p.arrival_time for p in parts),
+            first_scheduled_time=first([p.first_scheduled_time for p in parts]),
+            first_token_time=first([p.first_token_time for p in parts]),
+            last_token_time=last([p.last_token_time for p in parts]),
+            finished_time=last([p.finished_time for p in parts]),
+        )
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt."""
 
@@ -61,7 +112,8 @@ class RequestOutput:
     """With `SamplingParams(prompt_logprobs=k)`: see `PromptLogprobs`; else None."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
-    metrics: object | None = field(default=None, repr=False)
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    """Timestamps of the request when the engine collects statistics; else None."""
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
     skip_prefix_cache: bool = False
     """Compute every prompt token even when cached (prompt logprobs need their logits).
     Always set for requests that ask for `prompt_logprobs`."""
+    metrics: RequestMetrics | None = None
+    """Timestamps, kept by the engine when it collects statistics (never by the scheduler)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
