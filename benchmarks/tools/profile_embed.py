@@ -34,14 +34,20 @@ def main() -> None:
         max_num_seqs=4096,
     )
     llm.embed(texts[:256], use_tqdm=False)
-    tok = llm.get_tokenizer()
-    t = time.perf_counter()
-    tok(texts, truncation=True, max_length=256)
-    print(f"tokenize only: {time.perf_counter() - t:.2f}s")
-    t = time.perf_counter()
-    llm.embed(texts, use_tqdm=False)
-    torch.cuda.synchronize()
-    print(f"embed: {time.perf_counter() - t:.2f}s")
+    llm.encode(texts[:256], use_tqdm=False, pooling_task="embed")
+    from batchlm.engine.llm_pooling import _encode_batch
+
+    backend = llm.get_tokenizer()
+    for name, fn in (
+        ("tokenize (Rust batch)", lambda: _encode_batch(backend, texts, 256)),
+        ("embed (lists)", lambda: llm.embed(texts, use_tqdm=False)),
+        ("encode (tensors)", lambda: llm.encode(texts, use_tqdm=False, pooling_task="embed")),
+    ):
+        for _ in range(2):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            print(f"{name}: {time.perf_counter() - t:.2f}s", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     llm.embed(texts, use_tqdm=False)

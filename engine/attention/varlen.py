@@ -17,7 +17,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["VarlenGroup", "VarlenPlan", "varlen_attention", "varlen_attention_ref"]
+__all__ = [
+    "VarlenGroup",
+    "VarlenPlan",
+    "flash_varlen_supported",
+    "varlen_attention",
+    "varlen_attention_ref",
+]
 
 # A group is closed when the next (shorter) sequence is below this fraction of the group's
 # longest: padding then wastes at most 1 - ratio of each padded row.
@@ -43,41 +49,93 @@ class VarlenGroup:
     """`[num_seqs, 1, 1, max_len]` bool, True on real keys; None when no slot is padding."""
 
 
-@dataclass(frozen=True)
 class VarlenPlan:
-    """How to pad a packed batch, computed once per forward and reused by every layer."""
+    """How one packed batch is attended, computed once per forward and shared by every layer.
 
-    num_tokens: int
-    groups: list[VarlenGroup]
-    is_single_group: bool
-    """One group holds every token in packed order, so its output needs no scatter."""
+    On CUDA with half-precision activations the plan carries the cumulative lengths on the
+    device and attention runs as one variable-length flash-attention call per layer, with no
+    padding; elsewhere sequences are padded by length groups (built on first use).
+    """
 
-    @classmethod
-    def build(cls, cu_seqlens: Sequence[int], device: torch.device | str) -> VarlenPlan:
-        """Plan for sequences `cu_seqlens[i]:cu_seqlens[i + 1]`; empty sequences are skipped.
-
-        Raises:
-            ValueError: `cu_seqlens` does not start at 0 or is not non-decreasing.
-        """
+    def __init__(
+        self,
+        cu_seqlens: Sequence[int],
+        device: torch.device | str,
+        cu_seqlens_device: torch.Tensor | None = None,
+    ) -> None:
         cu = [int(c) for c in cu_seqlens]
         if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
             raise ValueError(
                 f"cu_seqlens={cu[:8]}... must start at 0 and be non-decreasing "
                 "(cumulative sequence lengths)"
             )
-        seqs = [i for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
-        seqs.sort(key=lambda i: cu[i + 1] - cu[i], reverse=True)
-        grouped: list[list[int]] = []
-        for i in seqs:
-            length = cu[i + 1] - cu[i]
-            longest = cu[grouped[-1][0] + 1] - cu[grouped[-1][0]] if grouped else 0
-            if not grouped or (
-                length < _GROUP_LENGTH_RATIO * longest and len(grouped) < _MAX_GROUPS
-            ):
-                grouped.append([])
-            grouped[-1].append(i)
-        groups = [_group(cu, sorted(g), device) for g in grouped]
-        return cls(num_tokens=cu[-1], groups=groups, is_single_group=len(groups) == 1)
+        self.cu_seqlens = cu
+        self.device = torch.device(device)
+        self.num_tokens = cu[-1]
+        self.max_len = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+        self.cu_seqlens_device = cu_seqlens_device
+        """`[num_seqs + 1]` int32 on the device, for the flash path (None: not provided)."""
+        self._groups: list[VarlenGroup] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cu_seqlens: Sequence[int],
+        device: torch.device | str,
+        cu_seqlens_device: torch.Tensor | None = None,
+    ) -> VarlenPlan:
+        """Plan for sequences `cu_seqlens[i]:cu_seqlens[i + 1]`; empty sequences are skipped.
+
+        Raises:
+            ValueError: `cu_seqlens` does not start at 0 or is not non-decreasing.
+        """
+        return cls(cu_seqlens, device, cu_seqlens_device)
+
+    @property
+    def groups(self) -> list[VarlenGroup]:
+        """Length groups padded for `scaled_dot_product_attention`."""
+        if self._groups is None:
+            self._groups = _groups(self.cu_seqlens, self.device)
+        return self._groups
+
+    @property
+    def is_single_group(self) -> bool:
+        """One group holds every token in packed order, so its output needs no scatter."""
+        return len(self.groups) == 1
+
+
+def _groups(cu: list[int], device: torch.device) -> list[VarlenGroup]:
+    seqs = [i for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
+    seqs.sort(key=lambda i: cu[i + 1] - cu[i], reverse=True)
+    grouped: list[list[int]] = []
+    for i in seqs:
+        length = cu[i + 1] - cu[i]
+        longest = cu[grouped[-1][0] + 1] - cu[grouped[-1][0]] if grouped else 0
+        if not grouped or (length < _GROUP_LENGTH_RATIO * longest and len(grouped) < _MAX_GROUPS):
+            grouped.append([])
+        grouped[-1].append(i)
+    return [_group(cu, sorted(g), device) for g in grouped]
+
+
+def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `varlen_attention` can take the one-call flash path for these activations."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and hasattr(torch.ops.aten, "_flash_attention_forward")
+    )
+
+
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, scale: float, causal: bool
+) -> torch.Tensor:
+    cu = plan.cu_seqlens_device
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, plan.max_len, plan.max_len, 0.0, causal, False, scale=scale
+    )[0]
+    return out  # [num_tokens, num_heads, head_dim]
 
 
 def _group(cu: list[int], seqs: list[int], device: torch.device | str) -> VarlenGroup:
@@ -142,6 +200,11 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens covers {plan.num_tokens} tokens, q has {num_tokens}")
     group_size = num_heads // num_kv_heads
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if plan.cu_seqlens_device is not None and flash_varlen_supported(q.device, q.dtype, head_dim):
+        if group_size > 1:
+            k = k.repeat_interleave(group_size, dim=1)
+            v = v.repeat_interleave(group_size, dim=1)
+        return _flash_varlen(q, k, v, plan, scale, causal)
     if group_size > 1:
         k = k.repeat_interleave(group_size, dim=1)  # [num_tokens, num_heads, head_dim]
         v = v.repeat_interleave(group_size, dim=1)

@@ -234,10 +234,14 @@ class BertModel(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64, 0-based within each sequence
         token_type_ids: torch.Tensor | None,  # [num_tokens] int64; None means all 0
-        cu_seqlens: Sequence[int],  # [num_seqs + 1]
+        cu_seqlens: Sequence[int] | VarlenPlan,  # [num_seqs + 1], or a plan built from it
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         """Final hidden states of packed sequences `cu_seqlens[i]:cu_seqlens[i + 1]`."""
-        plan = VarlenPlan.build(cu_seqlens, input_ids.device)
+        plan = (
+            cu_seqlens
+            if isinstance(cu_seqlens, VarlenPlan)
+            else VarlenPlan.build(cu_seqlens, input_ids.device)
+        )
         hidden_states = self.embeddings(input_ids, positions, token_type_ids)
         return self.encoder(hidden_states, plan)
 
@@ -268,7 +272,7 @@ class BertForSequenceClassification(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         token_type_ids: torch.Tensor | None,
-        cu_seqlens: Sequence[int],
+        cu_seqlens: Sequence[int] | VarlenPlan,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.bert(input_ids, positions, token_type_ids, cu_seqlens)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.varlen import VarlenPlan
 from .layers.pooler import PoolingType
 
 
@@ -54,9 +55,11 @@ class DecoderForPooling(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         token_type_ids: torch.Tensor | None,
-        cu_seqlens: list[int],
+        cu_seqlens: list[int] | VarlenPlan,
     ) -> torch.Tensor:  # [T, hidden]
         device = input_ids.device
+        if isinstance(cu_seqlens, VarlenPlan):
+            cu_seqlens = cu_seqlens.cu_seqlens
         seq_lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
         qsl = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
         metadata = AttentionMetadata(

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..attention.varlen import VarlenPlan
 from .bert import BertModel
 from .layers.pooler import PoolingType
 
@@ -66,7 +67,7 @@ class XLMRobertaForSequenceClassification(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         token_type_ids: torch.Tensor | None,
-        cu_seqlens: Sequence[int],
+        cu_seqlens: Sequence[int] | VarlenPlan,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.roberta(input_ids, positions, token_type_ids, cu_seqlens)
 

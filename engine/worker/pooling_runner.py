@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backend import get_attention_backend
+from ..attention.varlen import VarlenPlan
 from ..config import EngineConfig
 from ..errors import InvalidParamError
 from ..loader.st_config import read_sentence_transformers_config
@@ -88,8 +89,14 @@ class PoolingRunner:
             yield batch
 
     @torch.inference_mode()
-    def _hidden(self, inputs: list[PoolingInput], batch: list[int]):
-        """Packed forward of one batch: `[T, hidden]` and the cumulative lengths."""
+    def _hidden(
+        self, inputs: list[PoolingInput], batch: list[int]
+    ) -> tuple[torch.Tensor, VarlenPlan]:
+        """Packed forward of one batch: `[T, hidden]` and the plan (cumulative lengths).
+
+        On CUDA every index array travels in one pinned buffer and one asynchronous copy, so
+        the host can prepare the next batch while this one runs.
+        """
         lens = np.fromiter((len(inputs[i].token_ids) for i in batch), np.int64, len(batch))
         cu = np.zeros(len(batch) + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
@@ -110,23 +117,41 @@ class PoolingRunner:
             )
         dev = self.device
         cu_list = cu.tolist()
-        hidden = self.model(
-            _to_device(ids, dev),
-            _to_device(positions, dev),
-            _to_device(types, dev) if types is not None else None,
-            cu_list,
-        )
-        return hidden, cu_list
+        if dev.type == "cpu":
+            ids_t, pos_t = torch.from_numpy(ids), torch.from_numpy(positions)
+            types_t = torch.from_numpy(types) if types is not None else None
+            plan = VarlenPlan.build(cu_list, dev)
+        else:
+            parts = [ids, positions, cu] if types is None else [ids, positions, cu, types]
+            staged = torch.from_numpy(np.concatenate(parts)).pin_memory()
+            on_dev = staged.to(dev, non_blocking=True)
+            n, b = num_tokens, len(batch) + 1
+            ids_t, pos_t = on_dev[:n], on_dev[n : 2 * n]
+            cu_dev = on_dev[2 * n : 2 * n + b].to(torch.int32)
+            types_t = on_dev[2 * n + b :] if types is not None else None
+            plan = VarlenPlan.build(cu_list, dev, cu_dev)
+        hidden = self.model(ids_t, pos_t, types_t, plan)
+        return hidden, plan
 
     def _pooled(
         self, inputs: list[PoolingInput], pooling_type: str
     ) -> Iterator[tuple[list[int], torch.Tensor | list[torch.Tensor]]]:
         for batch in self._batches(inputs):
-            hidden, cu = self._hidden(inputs, batch)
-            yield batch, pool(hidden, cu, pooling_type)
+            hidden, plan = self._hidden(inputs, batch)
+            yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
+
+    def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:
+        """Starts copying device results to the host; `_HostCopy.wait()` returns them."""
+        if self.device.type == "cpu":
+            return _HostCopy(tensors, None)
+        host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned, asynchronous
+        done = torch.cuda.Event()
+        done.record()
+        return _HostCopy(host, done)
 
     # ---- tasks ------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def embed(
         self, inputs: list[PoolingInput], params: list[PoolingParams], as_lists: bool = False
     ) -> list[torch.Tensor] | list[list[float]]:
@@ -138,17 +163,26 @@ class PoolingRunner:
                     f"dimensions={p.dimensions} (input {i}) needs a matryoshka model; this one "
                     "declares no matryoshka_dimensions in config.json, so drop dimensions="
                 )
-        out: list[torch.Tensor | None] = [None] * len(inputs)
+        out: list[torch.Tensor | list[float] | None] = [None] * len(inputs)
+
+        def finish(batch: list[int], groups: list[list[int]], copy: _HostCopy) -> None:
+            for rows, host in zip(groups, copy.wait(), strict=True):
+                vectors = host.tolist() if as_lists else host.unbind(0)
+                for row, vector in zip(rows, vectors, strict=True):
+                    out[batch[row]] = vector
+
+        pending = None
         for batch, pooled in self._pooled(inputs, self.pooling_type):
             pooled = pooled.float()  # [B, hidden]
             # Rows sharing (dimensions, normalize) are processed together, on the device,
             # and copied to the host once per batch.
-            groups: dict[tuple[int | None, bool], list[int]] = {}
+            by_key: dict[tuple[int | None, bool], list[int]] = {}
             for row, i in enumerate(batch):
                 p = params[i]
                 normalize = self.default_normalize if p.normalize is None else p.normalize
-                groups.setdefault((p.dimensions, normalize), []).append(row)
-            for (dims, normalize), rows in groups.items():
+                by_key.setdefault((p.dimensions, normalize), []).append(row)
+            results = []
+            for (dims, normalize), rows in by_key.items():
                 vecs = pooled if len(rows) == len(batch) else pooled[rows]
                 if dims is not None:
                     if dims > vecs.shape[1]:
@@ -158,13 +192,17 @@ class PoolingRunner:
                     vecs = vecs[:, :dims]
                 if normalize:
                     vecs = F.normalize(vecs, p=2, dim=-1)
-                host = vecs.cpu()
-                if as_lists:
-                    host = host.tolist()
-                for k, row in enumerate(rows):
-                    out[batch[row]] = host[k]
+                results.append(vecs)
+            copy = self._to_host(results)
+            # The previous batch is converted while this one runs on the device.
+            if pending is not None:
+                finish(*pending)
+            pending = (batch, list(by_key.values()), copy)
+        if pending is not None:
+            finish(*pending)
         return out  # type: ignore[return-value]
 
+    @torch.inference_mode()
     def classify(
         self, inputs: list[PoolingInput], params: list[PoolingParams]
     ) -> list[torch.Tensor]:
@@ -176,12 +214,22 @@ class PoolingRunner:
             )
         pooling_type = self.model.default_pooling_type
         out: list[torch.Tensor | None] = [None] * len(inputs)
+
+        def finish(batch: list[int], copy: _HostCopy) -> None:
+            logits, probs = copy.wait()
+            for row, i in enumerate(batch):
+                out[i] = logits[row] if params[i].use_activation is False else probs[row]
+
+        pending = None
         for batch, pooled in self._pooled(inputs, pooling_type):
             logits = self.model.classify(pooled).float()  # [B, num_labels]
             probs = logits.sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)
-            logits, probs = logits.cpu(), probs.cpu()
-            for row, i in enumerate(batch):
-                out[i] = logits[row] if params[i].use_activation is False else probs[row]
+            copy = self._to_host([logits, probs])
+            if pending is not None:
+                finish(*pending)
+            pending = (batch, copy)
+        if pending is not None:
+            finish(*pending)
         return out  # type: ignore[return-value]
 
     def token_embed(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
@@ -193,6 +241,14 @@ class PoolingRunner:
         return out  # type: ignore[return-value]
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+@dataclass
+class _HostCopy:
+    """Host tensors whose copy from the device may still be running until `wait()`."""
+
+    tensors: list[torch.Tensor]
+    done: torch.cuda.Event | None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensors

@@ -194,6 +194,44 @@ def test_varlen_attention_matches_per_sequence_loop(causal, num_heads, num_kv_he
     torch.testing.assert_close(varlen_attention(q, k, v, plan, scale, causal), out)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 12, 32), (8, 2, 64), (4, 4, 128)])
+def test_flash_varlen_path_matches_per_sequence_loop(
+    dtype, causal, num_heads, num_kv_heads, head_dim
+):
+    torch.manual_seed(0)
+    lengths = [1, 33, 2, 17, 200, 3, 40, 9, 512]
+    cu = [0]
+    for length in lengths:
+        cu.append(cu[-1] + length)
+    num_tokens = cu[-1]
+    q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    scale = head_dim**-0.5
+    plan = VarlenPlan.build(cu, "cuda", torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    assert plan._groups is None
+    out = varlen_attention(q, k, v, plan, scale, causal)
+    assert plan._groups is None, "the flash path must not build padded groups"
+    expected = varlen_attention_ref(q.float(), k.float(), v.float(), cu, scale, causal)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["CLS", "LAST", "MEAN"])
+def test_pool_with_device_boundaries_matches_host_boundaries(kind):
+    torch.manual_seed(0)
+    cu = [0, 3, 4, 60, 61, 100]
+    hidden = torch.randn(100, 16, device="cuda", dtype=torch.float16)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    expected = pool(hidden.cpu().float(), cu, kind)
+    torch.testing.assert_close(
+        pool(hidden, cu, kind, cu_dev).cpu().float(), expected, atol=2e-3, rtol=2e-3
+    )
+
+
 def test_varlen_groups_mixed_lengths_and_rejects_bad_boundaries():
     plan = VarlenPlan.build([0, 100, 101, 160, 170], "cpu")
     assert len(plan.groups) > 1 and not plan.is_single_group

@@ -41,6 +41,7 @@ def pool(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     cu_seqlens: Sequence[int],
     pooling_type: PoolingType | str,
+    cu_seqlens_device: torch.Tensor | None = None,  # [num_seqs + 1] on hidden's device
 ) -> torch.Tensor | list[torch.Tensor]:
     """Pool each packed sequence `cu_seqlens[i]:cu_seqlens[i + 1]` of `hidden`.
 
@@ -48,6 +49,8 @@ def pool(
         hidden: Final hidden states of all sequences back to back.
         cu_seqlens: `[num_seqs + 1]` cumulative lengths; every sequence has >= 1 token.
         pooling_type: A `PoolingType` or its name.
+        cu_seqlens_device: `cu_seqlens` already on the device; when given, the indices are
+            derived there and pooling issues no host-to-device copy.
 
     Returns:
         `[num_seqs, hidden_size]` in `hidden`'s dtype (MEAN sums in float32), or for ALL a
@@ -63,12 +66,17 @@ def pool(
     if kind is PoolingType.ALL:
         return list(hidden.split(lens))
     device = hidden.device
+    if cu_seqlens_device is None:
+        cu_seqlens_device = torch.tensor(cu, device=device)
+    cu_t = cu_seqlens_device.long()
     if kind is PoolingType.CLS:
-        return hidden.index_select(0, torch.tensor(cu[:-1], device=device))
+        return hidden.index_select(0, cu_t[:-1])
     if kind is PoolingType.LAST:
-        return hidden.index_select(0, torch.tensor([c - 1 for c in cu[1:]], device=device))
-    lens_t = torch.tensor(lens, device=device)
-    seq_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
+        return hidden.index_select(0, cu_t[1:] - 1)
+    lens_t = cu_t[1:] - cu_t[:-1]  # [num_seqs]
+    seq_ids = torch.repeat_interleave(
+        torch.arange(len(lens), device=device), lens_t, output_size=hidden.shape[0]
+    )
     sums = hidden.new_zeros(len(lens), hidden.shape[1], dtype=torch.float32)
     sums.index_add_(0, seq_ids, hidden.float())  # [num_seqs, hidden_size]
     return (sums / lens_t[:, None]).to(hidden.dtype)
