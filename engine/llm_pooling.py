@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidParamError, InvalidPromptError
@@ -25,6 +26,10 @@ from .pooling_params import PoolingParams
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
     from .worker.pooling_runner import PoolingInput, PoolingRunner
+
+
+# On CUDA, calls with more prompts than twice this are tokenized a chunk ahead of the device.
+_TOKENIZE_CHUNK = 16384
 
 
 class PoolingMixin:
@@ -54,8 +59,12 @@ class PoolingMixin:
         start = time.perf_counter()
         runner = self._pooling_runner("embed", "embed")
         with _gc_paused():
-            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-            vectors = runner.embed(inputs, params, as_lists=True)
+            inputs, vectors = self._run_chunked(
+                prompts,
+                pooling_params,
+                truncate_prompt_tokens,
+                lambda x, p: runner.embed(x, p, as_lists=True),
+            )
             self._record_pooling(inputs, start)
             return [
                 EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), x.token_ids)
@@ -73,8 +82,9 @@ class PoolingMixin:
         start = time.perf_counter()
         runner = self._pooling_runner("classify", "classify")
         with _gc_paused():
-            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
-            probs = runner.classify(inputs, params)
+            inputs, probs = self._run_chunked(
+                prompts, pooling_params, truncate_prompt_tokens, runner.classify
+            )
         self._record_pooling(inputs, start)
         return [
             ClassificationRequestOutput(
@@ -156,13 +166,17 @@ class PoolingMixin:
             )
         start = time.perf_counter()
         runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
-        inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
         if pooling_task == "embed":
-            data = runner.embed(inputs, params)
+            run = runner.embed
         elif pooling_task == "classify":
-            data = runner.classify(inputs, params)
+            run = runner.classify
         else:
-            data = runner.token_embed(inputs)
+
+            def run(inputs: list[PoolingInput], params: list[PoolingParams]) -> list[Any]:
+                return runner.token_embed(inputs)
+
+        with _gc_paused():
+            inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
         self._record_pooling(inputs, start)
         return [
             PoolingRequestOutput(self._next_id(), PoolingOutput(d), x.token_ids)
@@ -209,11 +223,61 @@ class PoolingMixin:
             return keep
         return runner.max_seq_length if runner is not None else None
 
+    def _run_chunked(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        truncate_prompt_tokens: int | None,
+        run: Callable[[list[PoolingInput], list[PoolingParams]], list[Any]],
+    ) -> tuple[list[PoolingInput], list[Any]]:
+        """Tokenizes the prompts and runs `run` over them; returns the inputs and results.
+
+        On CUDA a large call is cut into chunks: a helper thread tokenizes the next chunk
+        (the Rust tokenizer releases the GIL) while the device runs the current one.
+        """
+        n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 1
+        chunk = self._tokenize_chunk_size()
+        if chunk is None or n <= 2 * chunk:
+            inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
+            return inputs, run(inputs, params)
+        per_prompt = isinstance(pooling_params, Sequence)
+        if per_prompt and len(pooling_params) != n:
+            raise InvalidParamError(
+                f"pooling_params must be one PoolingParams or a list of {n} of them"
+            )
+        truncate = truncate_prompt_tokens
+        if truncate is None and per_prompt:
+            explicit = {p.truncate_prompt_tokens for p in pooling_params} - {None}
+            truncate = max(explicit) if explicit else None
+
+        def prepare(start: int) -> tuple[list[PoolingInput], list[PoolingParams]]:
+            end = min(start + chunk, n)
+            chunk_params = pooling_params[start:end] if per_prompt else pooling_params
+            return self._pooling_inputs(prompts[start:end], chunk_params, truncate, start)
+
+        inputs: list[PoolingInput] = []
+        results: list[Any] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchlm-tokenize") as pool:
+            future = pool.submit(prepare, 0)
+            for start in range(0, n, chunk):
+                chunk_inputs, chunk_params = future.result()
+                if start + chunk < n:
+                    future = pool.submit(prepare, start + chunk)
+                inputs.extend(chunk_inputs)
+                results.extend(run(chunk_inputs, chunk_params))
+        return inputs, results
+
+    def _tokenize_chunk_size(self) -> int | None:
+        """Prompts per tokenization chunk, or None to tokenize a call at once (CPU: the
+        tokenizer would compete with the model for the same cores)."""
+        return _TOKENIZE_CHUNK if self.llm_engine.config.device.device.type == "cuda" else None
+
     def _pooling_inputs(
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         truncate_prompt_tokens: int | None,
+        index_offset: int = 0,
     ) -> tuple[list[PoolingInput], list[PoolingParams]]:
         from .worker.pooling_runner import PoolingInput
 
@@ -251,7 +315,7 @@ class PoolingMixin:
             if from_user and truncate is not None and max_len is not None:
                 tokens = tokens[-max_len:]
             # Ids the tokenizer produced are in the vocabulary by construction.
-            self._check_pooling_input(i, tokens, check_ids=from_user)
+            self._check_pooling_input(i + index_offset, tokens, check_ids=from_user)
             inputs.append(PoolingInput(tokens))
         return inputs, params
 

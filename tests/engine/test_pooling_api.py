@@ -202,3 +202,27 @@ def test_over_long_input_is_refused_unless_truncated(minilm):
         minilm.embed(["fine", {"prompt_token_ids": ids}])
     out = minilm.embed([{"prompt_token_ids": ids}], truncate_prompt_tokens=100, use_tqdm=False)
     assert len(out[0].prompt_token_ids) == 100
+
+
+def test_chunked_tokenization_gives_the_same_results(minilm, monkeypatch):
+    """Large calls on CUDA tokenize a chunk ahead of the device; forced here with chunks of 3,
+    the outputs, their order and error indices equal a single unchunked call."""
+    texts = [f"{s} ({i})" for i, s in enumerate(SENTENCES * 3)]
+    params = [PoolingParams(normalize=i % 2 == 0) for i in range(len(texts))]
+    expected = minilm.embed(texts, params, use_tqdm=False)
+    expected_probs = minilm.encode(texts, use_tqdm=False, pooling_task="embed")
+    monkeypatch.setattr(type(minilm), "_tokenize_chunk_size", lambda self: 3)
+    got = minilm.embed(texts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in expected]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
+        )
+    got_data = minilm.encode(texts, use_tqdm=False, pooling_task="embed")
+    torch.testing.assert_close(
+        torch.stack([o.outputs.data for o in got_data]),
+        torch.stack([o.outputs.data for o in expected_probs]),
+    )
+    bad = [*texts[:7], {"prompt_token_ids": [101] + [2000] * 600 + [102]}, *texts[7:]]
+    with pytest.raises(InvalidPromptError, match=r"prompts\[7\] has 602 tokens"):
+        minilm.embed(bad, use_tqdm=False)
