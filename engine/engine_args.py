@@ -97,13 +97,7 @@ class EngineArgs:
                 f"max_num_batched_tokens={max_batched} < max_model_len={max_model_len} needs "
                 "chunked prefill; set enable_chunked_prefill=True or raise max_num_batched_tokens"
             )
-        backend = self.attention_backend or envs.attention_backend()
-        if backend is None:
-            backend = "torch"
-        if backend not in ("torch", "triton"):
-            raise InvalidParamError(
-                f"attention_backend={backend!r} is unknown; use 'torch' or 'triton'"
-            )
+        backend = self._attention_backend(device)
         return EngineConfig(
             model=ModelConfig(
                 model=str(self.model),
@@ -201,6 +195,32 @@ class EngineArgs:
         if device.type not in ("cpu", "cuda"):
             raise InvalidParamError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
         return device
+
+    def _attention_backend(self, device: torch.device) -> str:
+        """`attention_backend=`, else BATCHLM_ATTENTION_BACKEND, else triton on CUDA (when
+        installed) and torch on CPU."""
+        import importlib.util
+
+        has_triton = importlib.util.find_spec("triton") is not None
+        backend = self.attention_backend or envs.attention_backend()
+        if backend is None:
+            return "triton" if device.type == "cuda" and has_triton else "torch"
+        if backend not in ("torch", "triton"):
+            raise InvalidParamError(
+                f"attention_backend={backend!r} is unknown; use 'torch' or 'triton'"
+            )
+        if backend == "triton" and not has_triton:
+            raise InvalidParamError(
+                "attention_backend='triton' needs the triton package; pip install triton, "
+                "or use attention_backend='torch'"
+            )
+        if backend == "triton" and device.type == "cpu" and not envs.triton_interpret():
+            raise InvalidParamError(
+                "attention_backend='triton' on CPU runs only in Triton's interpreter (slow, "
+                "for tests): set TRITON_INTERPRET=1 before starting Python, or use "
+                "attention_backend='torch' (the CPU default)"
+            )
+        return backend
 
     def _validate(self) -> None:
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:

@@ -42,3 +42,8 @@ def attention_backend() -> str | None:
     """BATCHLM_ATTENTION_BACKEND: force `torch` or `triton` attention (default: by device)."""
     value = os.environ.get("BATCHLM_ATTENTION_BACKEND")
     return value.strip().lower() if value else None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET (Triton's own): run Triton kernels in its CPU interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")

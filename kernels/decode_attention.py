@@ -245,8 +245,9 @@ def decode_attention(
     Returns:
         `[num_seqs, num_heads, head_dim]` in the query's dtype.
     """
-    num_seqs, num_heads, head_dim = query.shape
+    num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() else 0
     group = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, num_seqs)
+    num_heads, head_dim = query.shape[1], query.shape[2]
     device = check_same_device(
         _decode_kernel,
         query=query,

@@ -180,9 +180,9 @@ def prefill_attention(
     Returns:
         `[num_tokens, num_heads, head_dim]` in the query's dtype.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() else 0
     group = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, num_seqs)
+    num_tokens, head_dim = query.shape[0], query.shape[2]
     check_tensor(
         "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_seqs + 1}
     )

@@ -63,7 +63,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "triton":
-        from .triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+        from .triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend={name!r} is unknown; use 'torch' or 'triton'")

@@ -1,4 +1,4 @@
-"""Gated activations."""
+"""Gated activations (a Triton kernel on CUDA)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlm.kernels import use_triton_kernels
+
 
 class SiluAndMul(nn.Module):
     """`silu(gate) * up` for an input laid out as `[..., 2 * d] = [gate | up]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton_kernels(x):
+            from batchlm.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -1,9 +1,11 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it (a Triton kernel on CUDA)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from batchlm.kernels import use_triton_kernels
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +20,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x` (or `x + residual`, also returning that sum as the new residual)."""
+        if use_triton_kernels(x):
+            from batchlm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -2,7 +2,8 @@
 
 Frequencies are computed here from the config (default, linear, dynamic NTK, llama3,
 yarn); cos / sin are tabulated once for `max_position` positions and looked up per token.
-Rotation is the "rotate half" (GPT-NeoX) layout used by Hugging Face checkpoints.
+Rotation is the "rotate half" (GPT-NeoX) layout used by Hugging Face checkpoints; on CUDA a
+Triton kernel applies it from the same table.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from batchlm.kernels import use_triton_kernels
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,10 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_triton_kernels(query):
+            from batchlm.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(positions, query, key, self.cos_sin.float())
         cos_sin = self.cos_sin[:, positions]  # [2, num_tokens, rotary_dim]
         cos = cos_sin[0].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, rotary_dim]
         sin = cos_sin[1].unsqueeze(1).to(query.dtype)

@@ -1,0 +1,77 @@
+"""Paged attention with the Triton kernels of `batchlm.kernels` (CUDA; CPU only under
+Triton's interpreter, for tests).
+
+Per layer: the step's keys and values are written into the paged cache by slot, then a
+decode-only step (one query token per sequence) runs the split-K decode kernel and every
+other step (prefills, chunked prefills, prefix-cache hits, mixed prefill + decode) runs the
+variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
+tensors directly; `prepare` only decides which kernel the step uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchlm.kernels.decode_attention import decode_attention
+from batchlm.kernels.prefill_attention import prefill_attention
+from batchlm.kernels.write_kv_cache import write_kv_cache
+
+from .backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class _TritonPlan:
+    is_decode_only: bool
+    """Every sequence has exactly one query token this step."""
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.backend_data = _TritonPlan(is_decode_only=metadata.max_query_len == 1)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        if kv_cache is None:
+            raise ValueError(
+                "the triton attention backend reads keys from the paged KV cache; cache-less "
+                "forwards (pooling) run on the torch backend"
+            )
+        plan = metadata.backend_data
+        if not isinstance(plan, _TritonPlan):
+            raise ValueError("TritonAttentionBackend.prepare(metadata) must run before forward")
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if plan.is_decode_only:
+            return decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                metadata.max_seq_len,
+                sliding_window,
+            )
+        return prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            metadata.max_query_len,
+            sliding_window,
+        )

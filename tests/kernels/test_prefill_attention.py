@@ -1,0 +1,100 @@
+"""Variable-length paged prefill / mixed attention against its PyTorch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchlm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+
+from .helpers import ATTENTION_TOLERANCE, DTYPES, assert_close, gpu_only, make_paged_cache
+
+NUM_KV_HEADS = 2
+
+# Each sequence as (query_len, seq_len): the queries are its last query_len positions.
+SMALL_BATCH = [
+    (1, 1),  # a one-token prompt
+    (20, 20),  # a fresh prefill
+    (7, 40),  # a chunk after a cached prefix (prefix-cache hit / chunked prefill)
+    (1, 33),  # a decode token in a mixed batch
+]
+
+
+def _random_batch(n: int, max_len: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    batch = []
+    for _ in range(n):
+        seq_len = rng.randint(1, max_len)
+        batch.append((rng.choice([1, seq_len, rng.randint(1, seq_len)]), seq_len))
+    return batch
+
+
+def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None):
+    seq_lens = [s for _, s in batch]
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device
+    )
+    q_lens = [q for q, _ in batch]
+    qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen)
+    query, qsl = query.to(dtype).to(device), qsl.to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    args = (query, key_cache, value_cache, block_tables, lens, qsl, scale)
+    out = prefill_attention(*args, max(q_lens), sliding_window)
+    assert_close(out, prefill_attention_ref(*args, sliding_window), ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        SMALL_BATCH,
+        gpu_only([(2048, 2048), (1, 4096), (500, 3000), (129, 129), (64, 4000)]),
+        gpu_only(_random_batch(48, 2500, seed=0)),
+    ],
+    ids=["small", "long", "batch48"],
+)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_matches_reference(batch, dtype, head_dim, block_size, group, device):
+    _run(batch, dtype, head_dim, block_size, group, device)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [(30, 30), (5, 50), (1, 9)],
+        gpu_only([(3000, 3000), (700, 4000), (1, 4096)]),
+    ],
+    ids=["small", "long"],
+)
+@pytest.mark.parametrize("sliding_window", [1, 8, 1000])
+def test_sliding_window_matches_reference(batch, sliding_window, device):
+    _run(batch, torch.float32, 64, 16, 4, device, sliding_window)
+
+
+@pytest.mark.parametrize("group", [3, 7])  # groups that do not divide the tile's rows
+def test_odd_gqa_groups_and_head_dim(group, device):
+    _run([(9, 12), (1, 5)], torch.float32, 80, 16, group, device)
+
+
+def test_launcher_rejects_bad_arguments(device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    query = torch.randn(5, 4, 64, device=device)
+    args = (key_cache, value_cache, block_tables, lens)
+    with pytest.raises(ValueError, match="query_start_loc has size 3 in dimension 0"):
+        prefill_attention(query, *args, torch.tensor([0, 2, 5], device=device), 1.0, 5)
+    with pytest.raises(ValueError, match="query_start_loc has dtype torch.float32"):
+        prefill_attention(query, *args, qsl.float(), 1.0, 5)
+    with pytest.raises(ValueError, match="sliding_window=0 must be >= 1"):
+        prefill_attention(query, *args, qsl, 1.0, 5, sliding_window=0)
+    with pytest.raises(ValueError, match="must have stride 1 in its last dimension"):
+        prefill_attention(query.transpose(1, 2), *args, qsl, 1.0, 5)

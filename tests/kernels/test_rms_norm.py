@@ -1,0 +1,65 @@
+"""RMSNorm and fused residual-add + RMSNorm against the PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchlm.kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+
+from .helpers import DTYPES, ELEMENTWISE_TOLERANCE, assert_close, gpu_only
+
+
+@pytest.mark.parametrize(
+    ("shape", "hidden"),
+    [((5,), 64), ((3, 4), 128), ((7,), 96), gpu_only((4096,), 4096), gpu_only((33,), 8192)],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_reference(shape, hidden, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, hidden, generator=gen) * 3).to(dtype).to(device)
+    residual = torch.randn(*shape, hidden, generator=gen).to(dtype).to(device)
+    weight = torch.randn(hidden, generator=gen).to(dtype).to(device)
+    x_before, residual_before = x.clone(), residual.clone()
+
+    assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), ELEMENTWISE_TOLERANCE)
+    out = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert_close(out.out, ref.out, ELEMENTWISE_TOLERANCE)
+    assert_close(out.residual, ref.residual, ELEMENTWISE_TOLERANCE)
+    # Pure: the inputs are untouched.
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rms_norm_of_strided_heads(device):
+    """Per-head q / k norms (Qwen3) see `[tokens, heads, head_dim]` views of a wider row."""
+    qkv = torch.randn(6, 3 * 4 * 32, device=device)
+    q = qkv[:, : 4 * 32].view(6, 4, 32)
+    weight = torch.randn(32, device=device)
+    assert_close(rms_norm(q, weight, 1e-6), rms_norm_ref(q, weight, 1e-6), ELEMENTWISE_TOLERANCE)
+
+
+def test_float32_weight_promotes_the_output(device):
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    weight = torch.randn(64, device=device)
+    out = rms_norm(x, weight, 1e-6)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_launcher_rejects_bad_arguments(device):
+    x = torch.randn(3, 64, device=device)
+    weight = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="weight has size 32 in dimension 0"):
+        rms_norm(x, weight[:32], 1e-6)
+    with pytest.raises(ValueError, match="residual has shape"):
+        fused_add_rms_norm(x, x[:2], weight, 1e-6)
+    with pytest.raises(ValueError, match="residual has dtype torch.float16"):
+        fused_add_rms_norm(x, x.half(), weight, 1e-6)
+    with pytest.raises(ValueError, match="x has dtype torch.int64"):
+        rms_norm(x.long(), weight, 1e-6)
