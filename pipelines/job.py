@@ -1,0 +1,260 @@
+"""A job end to end: check → plan shards → skip finished ones → run → write → summary.
+
+Everything that can be wrong with a job (its keys and values, the input files, the columns
+the task reads, the model name and engine options) is checked by `plan_job`, which reads
+the input schemas and the model's config but loads no weights. `run_job` then runs only
+the shards whose output file is missing, whatever the runner.
+
+Example:
+    >>> summary = run_job(load_job("conf/generate_demo.yaml"))
+    >>> print(summary.format())
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchlm.operators.config import OperatorConfig
+from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
+
+from .output import OutputFolder, job_manifest
+from .progress import JobSummary, Progress, metric_values
+from .runner import ShardInput, make_runner
+from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
+from .shards import input_fingerprint as files_fingerprint
+from .spec import JobSpec, JobSpecError
+
+# OperatorConfig fields that change how the work is spread, never its results: changing them
+# between a crashed run and its resumption is allowed.
+_PLACEMENT_DEFAULTS = {"concurrency": 1, "num_gpus": None, "max_batch_retries": 2}
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A checked job: its engine config, model facts, shards and manifest."""
+
+    job: JobSpec
+    config: OperatorConfig
+    info: ModelInfo
+    files: list[InputFile]
+    shards: list[Shard]
+    manifest: dict[str, Any]
+
+
+def results_fingerprint(config: OperatorConfig) -> str:
+    """`config.fingerprint()` with the placement fields (concurrency, GPUs, retries) reset."""
+    return replace(config, **_PLACEMENT_DEFAULTS).fingerprint()
+
+
+def plan_job(job: JobSpec) -> JobPlan:
+    """Validates the job against its input and model without loading weights.
+
+    Raises:
+        JobSpecError: the message names the key, file or column and the fix.
+    """
+    config = job.to_operator_config()
+    files = find_input_files(job.input)
+    for file in files:
+        _check_input_columns(job, config, file, read_schema(file))
+    info = _model_info(job, config)
+    shards = plan_shards(files, job.input.rows_per_shard)
+    config_fp = results_fingerprint(config)
+    input_fp = files_fingerprint(job.input, files)
+    manifest = job_manifest(
+        config=config.to_dict(),
+        config_fingerprint=config_fp,
+        input_fingerprint=input_fp,
+        inputs={"path": job.input.path, "files": [f.path for f in files]},
+        shard_names=[s.name for s in shards],
+    )
+    return JobPlan(job, config, info, files, shards, manifest)
+
+
+def _check_input_columns(
+    job: JobSpec, config: OperatorConfig, file: InputFile, schema: pa.Schema
+) -> None:
+    spec = config.spec
+    roles = {
+        "generate": ("prompt",),
+        "chat": ("messages",),
+        "embed": ("text",),
+        "classify": ("text",),
+        "score": ("text", "text_pair"),
+    }[spec.task]
+    for role in roles:
+        column = getattr(spec, f"{role}_column")
+        if column not in schema.names:
+            raise JobSpecError(
+                f"task {spec.task!r} reads column {column!r} (input.columns.{role}), but "
+                f"{file.path!r} has columns {schema.names}; set input.columns.{role} to the "
+                "column that holds it"
+            )
+    try:
+        output_schema(spec, ModelInfo(1, 1), schema)
+    except RowContractError as e:
+        raise JobSpecError(f"input {file.path!r}: {e}") from None
+
+
+def _model_info(job: JobSpec, config: OperatorConfig) -> ModelInfo:
+    try:
+        return config.model_info()
+    except (OSError, ValueError, TypeError) as e:
+        raise JobSpecError(
+            f"model {job.model!r} with engine options {dict(job.engine)}: {e}"
+        ) from None
+
+
+def run_job(
+    job: JobSpec,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    stream: IO[str] | None = None,
+    plan: JobPlan | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> JobSummary:
+    """Runs the shards of `job` that have no output yet and writes each atomically.
+
+    Args:
+        job: the validated job.
+        overwrite: delete the output folder's earlier results (of this or another job) first.
+        progress: draw a progress bar on `stream` (default stderr).
+        plan: a plan already made by `plan_job(job)` (else made here).
+        announce: called with one line saying what will run, once the output is checked.
+
+    Raises:
+        JobSpecError: see `plan_job`.
+        OutputConflictError: the output folder holds another job's results (and not
+            `overwrite`), or another process is writing there.
+    """
+    plan = plan or plan_job(job)
+    out = OutputFolder(job.output.path, plan.manifest)
+    out.prepare(overwrite=overwrite)
+    try:
+        pending = [s for s in plan.shards if not out.is_done(s.name)]
+        if announce is not None:
+            announce(
+                f"{len(pending)} of {len(plan.shards)} shard(s) to run on the {job.runner} "
+                f"runner ({len(plan.shards) - len(pending)} already written) -> {out.path}"
+            )
+        bar = Progress(_known_rows(pending), stream or sys.stderr, enabled=progress)
+        metrics = None
+        num_written = 0
+        try:
+            if pending:
+                with make_runner(job.runner, plan.config, plan.info) as runner:
+                    num_written = _write_shards(plan, out, runner.run, pending, bar)
+                    metrics = metric_values(_safe_metrics(runner))
+        finally:
+            bar.close()
+        return JobSummary(
+            output_path=str(out.path),
+            num_shards=len(plan.shards),
+            num_shards_written=num_written,
+            num_shards_skipped=len(plan.shards) - len(pending),
+            rows_written=bar.rows,
+            rows_failed=bar.failed,
+            rows_in_output=sum(
+                pq.read_metadata(out.part_path(s.name)).num_rows
+                for s in plan.shards
+                if out.is_done(s.name)
+            ),
+            seconds=bar.seconds,
+            prompt_tokens=bar.prompt_tokens,
+            output_tokens=bar.output_tokens,
+            engine_metrics=metrics,
+        )
+    finally:
+        out.close()
+
+
+def _write_shards(
+    plan: JobPlan, out: OutputFolder, run: Any, pending: list[Shard], bar: Progress
+) -> int:
+    """Feeds `pending` to the runner and commits each shard's file as soon as it is whole."""
+    by_index = {s.index: s for s in pending}
+    num_rows: dict[int, int] = {}
+    schemas: dict[int, pa.Schema] = {}
+    compression = plan.job.output.compression
+    exit_after = _test_exit_after_shards()
+    num_written = 0
+
+    def commit() -> None:
+        nonlocal num_written
+        num_written += 1
+        if exit_after is not None and num_written >= exit_after:
+            os._exit(3)  # the test of resuming: die as abruptly as a killed process
+
+    def inputs() -> Iterator[ShardInput]:
+        for shard in pending:
+            table = read_shard(shard)
+            schema = output_schema(plan.config.spec, plan.info, table.schema)
+            if shard.num_rows is None:
+                bar.add_total(table.num_rows)
+            if table.num_rows == 0:
+                with out.shard_writer(shard.name, schema, compression):
+                    pass
+                commit()
+                continue
+            num_rows[shard.index], schemas[shard.index] = table.num_rows, schema
+            yield ShardInput(shard.index, table)
+
+    stream = iter(run(inputs()))
+    for batch in stream:
+        index = batch.index
+        shard = by_index[index]
+        with out.shard_writer(shard.name, schemas[index], compression) as writer:
+            while True:
+                if batch.index != index:
+                    raise RuntimeError(
+                        f"runner {plan.job.runner!r} started shard {batch.index} before "
+                        f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
+                    )
+                writer.write(batch.table)
+                bar.update(batch.table)
+                if writer.num_rows >= num_rows[index]:
+                    break
+                batch = next(stream, None)
+                if batch is None:
+                    raise RuntimeError(
+                        f"runner {plan.job.runner!r} stopped after {writer.num_rows} of "
+                        f"{num_rows[index]} rows of shard {shard.name}"
+                    )
+            if writer.num_rows != num_rows[index]:
+                raise RuntimeError(
+                    f"runner {plan.job.runner!r} returned {writer.num_rows} rows for shard "
+                    f"{shard.name}, which has {num_rows[index]}"
+                )
+        commit()
+    return num_written
+
+
+def _known_rows(shards: list[Shard]) -> int | None:
+    if any(s.num_rows is None for s in shards):
+        known = sum(s.num_rows or 0 for s in shards)
+        return known or None
+    return sum(s.num_rows or 0 for s in shards)
+
+
+def _test_exit_after_shards() -> int | None:
+    """BATCHLM_TEST_EXIT_AFTER_SHARDS (tests only): after writing this many shards the job
+    process exits at once (`os._exit`), as if killed, so that resuming can be tested."""
+    value = os.environ.get("BATCHLM_TEST_EXIT_AFTER_SHARDS")
+    return int(value) if value else None
+
+
+def _safe_metrics(runner: Any) -> list[Any] | None:
+    try:
+        return runner.metrics()
+    except RuntimeError:  # the engine was built without statistics
+        return None
+
+
+__all__ = ["JobPlan", "plan_job", "run_job", "results_fingerprint"]

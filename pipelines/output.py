@@ -1,0 +1,229 @@
+"""The output folder: one Parquet file per shard, written atomically, and the job manifest.
+
+Invariants that make a crashed job resumable without losing or repeating rows:
+- a shard's file appears under its final name only complete: it is written to a hidden
+  temporary name in the same folder, flushed to disk, then renamed (atomic on POSIX);
+- `_batchlm_manifest.json` (also written by rename) records the job hash; a folder whose
+  manifest names another hash is never written into, unless the caller asks to start over;
+- an exclusive lock on the folder keeps two processes from writing the same job at once.
+
+Readers skip names starting with `_` or `.`, so `pyarrow.parquet.read_table(folder)` sees
+exactly the finished shards.
+
+Example:
+    >>> out = OutputFolder("out/job", manifest)
+    >>> out.prepare(overwrite=False)
+    >>> with out.shard_writer("part-00000-a", schema) as writer:
+    ...     writer.write(table)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MANIFEST_NAME = "_batchlm_manifest.json"
+LOCK_NAME = ".batchlm.lock"
+PART_PREFIX = "part-"
+TMP_PREFIX = ".tmp-"
+
+
+class OutputConflictError(RuntimeError):
+    """The output folder holds something this job must not mix with or overwrite."""
+
+
+def job_manifest(
+    config: dict[str, Any],
+    config_fingerprint: str,
+    input_fingerprint: str,
+    inputs: dict[str, Any],
+    shard_names: list[str],
+) -> dict[str, Any]:
+    """The manifest's content; `job_hash` joins the config and input fingerprints."""
+    return {
+        "format": "batchlm-job/1",
+        "job_hash": f"{config_fingerprint}-{input_fingerprint}",
+        "config_fingerprint": config_fingerprint,
+        "input_fingerprint": input_fingerprint,
+        "config": config,
+        "input": inputs,
+        "shards": shard_names,
+    }
+
+
+class OutputFolder:
+    """A job's output folder: the manifest check, the lock, and atomic shard files."""
+
+    def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        self._lock_fd: int | None = None
+
+    def part_path(self, name: str) -> Path:
+        return self.path / f"{name}.parquet"
+
+    def is_done(self, name: str) -> bool:
+        return self.part_path(name).exists()
+
+    def prepare(self, overwrite: bool) -> None:
+        """Creates and locks the folder; checks (or, with `overwrite`, clears) earlier output.
+
+        Raises:
+            OutputConflictError: another job's output is there, files batchlm did not
+                write are there, or another process holds the lock.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        manifest_path = self.path / MANIFEST_NAME
+        old = _read_manifest(manifest_path)
+        foreign = sorted(
+            p.name
+            for p in self.path.iterdir()
+            if not p.name.startswith((".", "_")) and not _is_part(p.name)
+        )
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise OutputConflictError(
+                f"output folder {str(self.path)!r} holds files batchlm did not write ({shown}); "
+                "use an empty or new folder"
+            )
+        parts = [p for p in self.path.iterdir() if _is_part(p.name)]
+        if overwrite:
+            for p in parts:
+                p.unlink()
+            manifest_path.unlink(missing_ok=True)
+            old, parts = None, []
+        if old is None and parts:
+            raise OutputConflictError(
+                f"output folder {str(self.path)!r} holds {len(parts)} part file(s) but no "
+                f"{MANIFEST_NAME}, so their job is unknown; pass --overwrite to delete them "
+                "and start over, or use another folder"
+            )
+        if old is not None and old.get("job_hash") != self.manifest["job_hash"]:
+            raise OutputConflictError(self._conflict_message(old))
+        for p in self.path.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                p.unlink()  # left by a killed run; the lock says no one else is writing
+        if old is None:
+            _write_atomic(manifest_path, json.dumps(self.manifest, indent=2, default=str) + "\n")
+
+    def _conflict_message(self, old: dict[str, Any]) -> str:
+        new = self.manifest
+        changed = []
+        if old.get("config_fingerprint") != new["config_fingerprint"]:
+            changed.append(
+                "the model, task, params or engine options changed (config fingerprint "
+                f"{old.get('config_fingerprint')} -> {new['config_fingerprint']})"
+            )
+        if old.get("input_fingerprint") != new["input_fingerprint"]:
+            changed.append(
+                "the input files changed (input fingerprint "
+                f"{old.get('input_fingerprint')} -> {new['input_fingerprint']})"
+            )
+        return (
+            f"output folder {str(self.path)!r} holds results of a different job: job hash "
+            f"{old.get('job_hash')} there, {new['job_hash']} now; {' and '.join(changed)}. "
+            "Use another output path, or pass --overwrite to delete the old results and "
+            "start over"
+        )
+
+    def _lock(self) -> None:
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputConflictError(
+                f"another batchlm process is writing to {str(self.path)!r}; wait for it or "
+                "use another output path"
+            ) from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Releases the lock (also released if the process dies)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextlib.contextmanager
+    def shard_writer(
+        self, name: str, schema: pa.Schema, compression: str = "zstd"
+    ) -> Iterator[ShardWriter]:
+        """Writes one shard's file; it appears under its final name only if the block
+        finishes without an exception."""
+        tmp = self.path / f"{TMP_PREFIX}{name}.parquet.{os.getpid()}"
+        writer = ShardWriter(tmp, schema, compression)
+        try:
+            yield writer
+            writer.close()
+            _fsync(tmp)
+            os.replace(tmp, self.part_path(name))
+            _fsync(self.path)
+        finally:
+            writer.close()
+            tmp.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """Appends batches to one shard's temporary Parquet file, in the declared schema."""
+
+    def __init__(self, path: Path, schema: pa.Schema, compression: str) -> None:
+        self.schema = schema
+        self.num_rows = 0
+        codec = None if compression == "none" else compression
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(path, schema, compression=codec)
+
+    def write(self, table: pa.Table) -> None:
+        if table.schema != self.schema:
+            table = table.select(self.schema.names).cast(self.schema)
+        assert self._writer is not None, "the shard is already closed"
+        self._writer.write_table(table)
+        self.num_rows += table.num_rows
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _is_part(name: str) -> bool:
+    return name.startswith(PART_PREFIX) and name.endswith(".parquet")
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise OutputConflictError(
+            f"{str(path)!r} is not valid JSON ({e.msg}); pass --overwrite to start over"
+        ) from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file, or a folder's entries (so that a rename survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["OutputFolder", "ShardWriter", "OutputConflictError", "job_manifest", "MANIFEST_NAME"]

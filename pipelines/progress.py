@@ -1,0 +1,130 @@
+"""What a job shows while it runs (a progress bar on stderr) and when it ends (a summary)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm import tqdm
+
+from batchlm.operators.rows import ERROR_COLUMN
+
+# Engine counters worth a line in the summary, when the runner can read them.
+_SUMMARY_METRICS = {
+    "batchlm:prompt_tokens": "prompt tokens (engine)",
+    "batchlm:generation_tokens": "generated tokens (engine)",
+    "batchlm:num_preemptions": "preemptions",
+    "batchlm:prefix_cache_hits": "prefix-cache hit tokens",
+}
+
+
+class Progress:
+    """Counts rows, failed rows and tokens of result batches; draws a bar on `stream`."""
+
+    def __init__(self, total_rows: int | None, stream: IO[str], enabled: bool = True) -> None:
+        self.rows = 0
+        self.failed = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.start = time.perf_counter()
+        self._bar = tqdm(
+            total=total_rows,
+            unit="row",
+            file=stream,
+            disable=not enabled,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def add_total(self, num_rows: int) -> None:
+        """Grows the bar's total when a shard's size is only known once it is read."""
+        self._bar.total = (self._bar.total or 0) + num_rows
+        self._bar.refresh()
+
+    def update(self, table: pa.Table) -> None:
+        self.rows += table.num_rows
+        if ERROR_COLUMN in table.column_names:
+            self.failed += table.num_rows - table.column(ERROR_COLUMN).null_count
+        if "num_output_tokens" in table.column_names:
+            self.output_tokens += _sum(table.column("num_output_tokens"))
+            self.prompt_tokens += _sum(table.column("num_input_tokens"))
+        postfix = f"{self.output_tokens / max(self.seconds, 1e-9):.1f} tok/s"
+        if self.failed:
+            postfix += f", {self.failed} failed"
+        self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.update(table.num_rows)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _sum(column: pa.ChunkedArray) -> int:
+    value = pc.sum(column).as_py()
+    return int(value or 0)
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """What a finished (or resumed) job did."""
+
+    output_path: str
+    num_shards: int
+    num_shards_written: int
+    num_shards_skipped: int
+    rows_written: int
+    rows_failed: int
+    rows_in_output: int
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    engine_metrics: dict[str, float] | None = None
+
+    def format(self) -> str:
+        rate = self.rows_written / self.seconds if self.seconds > 0 else 0.0
+        lines = [
+            f"output        {self.output_path}",
+            f"shards        {self.num_shards_written} written, {self.num_shards_skipped} skipped "
+            f"(already written), {self.num_shards} in the job",
+            f"rows written  {self.rows_written} ({self.rows_failed} failed: non-null `error`)",
+            f"rows in output {self.rows_in_output}",
+        ]
+        if self.rows_written:
+            throughput = f"throughput    {rate:.1f} rows/s over {self.seconds:.1f} s"
+            if self.output_tokens:
+                throughput += f", {self.output_tokens / self.seconds:.1f} generated tok/s"
+            lines.append(throughput)
+        for name, label in _SUMMARY_METRICS.items():
+            if self.engine_metrics and name in self.engine_metrics:
+                lines.append(f"{label:<13} {self.engine_metrics[name]:.0f}")
+        lines.append(
+            'look at it    python3 -c "import pyarrow.parquet as pq; '
+            f"print(pq.read_table('{self.output_path}').to_pandas())\""
+        )
+        if self.rows_failed:
+            lines.append(
+                'failed rows   python3 -c "import pyarrow.parquet as pq, pyarrow.compute as pc; '
+                f"t = pq.read_table('{self.output_path}'); "
+                "print(t.filter(pc.is_valid(t['error'])).to_pandas())\""
+            )
+        return "\n".join(lines)
+
+
+def metric_values(metrics: list[Any] | None) -> dict[str, float] | None:
+    """Counter and gauge values by name, from `LLM.get_metrics()`."""
+    if not metrics:
+        return None
+    return {
+        m.name: float(m.value)
+        for m in metrics
+        if isinstance(getattr(m, "value", None), (int, float))
+    }
+
+
+__all__ = ["Progress", "JobSummary", "metric_values"]
