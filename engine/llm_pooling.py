@@ -388,7 +388,9 @@ def _encode_batch(tokenizer: Any, texts: list[str], max_len: int | None) -> list
             backend.no_truncation()
         else:
             backend.enable_truncation(max_len)
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+        # `encode_batch_fast` (tokenizers >= 0.21) skips the character offsets.
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=True)]
     finally:
         if truncation is None:
             backend.no_truncation()

@@ -66,6 +66,7 @@ class PoolingRunner:
         dims = getattr(hf, "matryoshka_dimensions", None)
         self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
         self.num_labels = getattr(self.model, "num_labels", None)
+        self._staging = _PinnedStaging()
 
     # ---- batching ---------------------------------------------------------------------
 
@@ -75,11 +76,13 @@ class PoolingRunner:
         if self.device.type == "cpu":
             budget = min(budget, CPU_MAX_TOKENS_PER_FORWARD)
         max_seqs = self.config.scheduler.max_num_seqs
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids), reverse=True)
+        lens = np.fromiter((len(x.token_ids) for x in inputs), np.int64, len(inputs))
+        order = np.argsort(-lens, kind="stable").tolist()
+        lens_list = lens.tolist()
         batch: list[int] = []
         tokens = 0
         for i in order:
-            n = len(inputs[i].token_ids)
+            n = lens_list[i]
             if batch and (tokens + n > budget or len(batch) >= max_seqs):
                 yield batch
                 batch, tokens = [], 0
@@ -123,8 +126,7 @@ class PoolingRunner:
             plan = VarlenPlan.build(cu_list, dev)
         else:
             parts = [ids, positions, cu] if types is None else [ids, positions, cu, types]
-            staged = torch.from_numpy(np.concatenate(parts)).pin_memory()
-            on_dev = staged.to(dev, non_blocking=True)
+            on_dev = self._staging.to_device(parts, dev)
             n, b = num_tokens, len(batch) + 1
             ids_t, pos_t = on_dev[:n], on_dev[n : 2 * n]
             cu_dev = on_dev[2 * n : 2 * n + b].to(torch.int32)
@@ -252,3 +254,34 @@ class _HostCopy:
         if self.done is not None:
             self.done.synchronize()
         return self.tensors
+
+
+class _PinnedStaging:
+    """Two reusable pinned host buffers for host-to-device copies of int64 index arrays.
+
+    A buffer is refilled only after its previous copy has finished (an event per buffer),
+    so the host can fill one while the other is still being copied.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def to_device(self, parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
+        """`parts` concatenated, on `device` (asynchronous with respect to the host)."""
+        k = self._next
+        self._next = 1 - k
+        size = sum(len(p) for p in parts)
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()
+        buffer = self._buffers[k]
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(max(size, 1 << 16) * 2, dtype=torch.int64, pin_memory=True)
+            self._buffers[k] = buffer
+        np.concatenate(parts, out=buffer.numpy()[:size])
+        on_device = buffer[:size].to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[k] = event
+        return on_device
