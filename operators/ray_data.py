@@ -1,0 +1,358 @@
+"""Ray Data operators: engine actors for `Dataset.map_batches` and `build_processor`.
+
+Each actor builds its engine once and keeps it for every batch. Its `__call__` is a
+coroutine: Ray Data hands an actor several batches at once (up to four per task, and
+`max_tasks_per_actor` tasks), each batch queues its rows into the one engine
+(`EngineLoop`) and is answered as soon as its own rows are done, so the engine stays full.
+
+Failures: a row the engine refuses gets its message in `error` and the job goes on. Any
+other engine exception rebuilds the engine inside the actor and retries the batches that
+were in it; an actor process that dies is restarted by Ray and its task retried. Both are
+bounded by `max_batch_retries`; past it the job fails with the last error.
+
+`ray` itself is imported only where Ray runs: importing this module does not load it.
+
+Example:
+    >>> import ray.data
+    >>> config = ProcessorConfig.create(
+    ...     "HuggingFaceTB/SmolLM2-135M-Instruct", "generate",
+    ...     sampling_params={"max_tokens": 32, "temperature": 0}, batch_size=32,
+    ... )
+    >>> processor = build_processor(config, preprocess=lambda r: {**r, "prompt": r["q"]})
+    >>> processor(ray.data.read_parquet("in/")).write_parquet("out/")
+
+    The actor on its own (what `build_processor` does for the engine stage):
+    >>> ds.map_batches(GenerateActor, **map_batches_kwargs(config))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from .config import OperatorConfig
+from .engine_loop import EngineFailedError, EngineLoop
+from .rows import RowContractError, output_fields, output_schema
+
+if TYPE_CHECKING:
+    from ray.data import Dataset
+
+Row = dict[str, Any]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessorConfig(OperatorConfig):
+    """`OperatorConfig` plus what only the Ray stage needs.
+
+    Example:
+        >>> config = ProcessorConfig.create(
+        ...     "sentence-transformers/all-MiniLM-L6-v2", "embed", batch_size=128,
+        ...     concurrency=2, ray_remote_args={"num_cpus": 2},
+        ... )
+    """
+
+    max_tasks_per_actor: int = 2
+    """Ray tasks (input bundles) one actor runs at once. Each streams its batches into the
+    same engine, so a second task keeps the engine busy while the first one's tail ends."""
+    ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
+    """Extra actor options for `map_batches` (`num_cpus`, `resources`, `runtime_env`, ...);
+    they win over the ones derived here."""
+    stats_dir: str | None = None
+    """If set, every actor writes its counts (engine builds, batches, rows, most batches in
+    the engine at once) to a JSON file there after each batch."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        value = self.max_tasks_per_actor
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RowContractError(f"max_tasks_per_actor={value!r} must be an integer >= 1")
+
+
+# ---- actors ---------------------------------------------------------------------------------
+
+
+class EngineActor:
+    """A callable class for `ds.map_batches`: one engine per actor, batches overlapping.
+
+    Args:
+        config: The model, engine options, task and batching (`OperatorConfig` or
+            `ProcessorConfig`).
+        stats_dir: Where to write this actor's counts (default: `config.stats_dir`).
+        _fault: Test hook, `{"on_call": n, "kind": "exit" | "raise", "marker": path,
+            "times": k}`. `exit`: the actor's n-th call ends the process while `marker`
+            (one line per exit, across restarts) holds fewer than k lines. `raise`: from
+            the n-th call on, the next k engine calls fail (logged in `marker`).
+    """
+
+    task: str | None = None
+    """The task this class runs; None: whatever `config.spec.task` says."""
+
+    def __init__(
+        self,
+        config: OperatorConfig,
+        *,
+        stats_dir: str | None = None,
+        _fault: Mapping[str, Any] | None = None,
+    ) -> None:
+        if self.task is not None and config.spec.task != self.task:
+            raise RowContractError(
+                f"{type(self).__name__} runs task {self.task!r}, but the config's task is "
+                f"{config.spec.task!r}; use {actor_class(config.spec.task).__name__}"
+            )
+        self.config = config
+        if _was_restarted():
+            logger.warning(
+                "%s restarted after its process died; Ray retries the batches it held, each "
+                "at most max_batch_retries=%d times",
+                type(self).__name__,
+                config.max_batch_retries,
+            )
+        self._loop = EngineLoop(
+            config.build_llm, config.spec, max_batch_retries=config.max_batch_retries
+        )
+        self._num_calls = 0
+        self._fault = dict(_fault) if _fault else None
+        stats_dir = stats_dir or getattr(config, "stats_dir", None)
+        self._stats_path: Path | None = None
+        if stats_dir:
+            name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+            self._stats_path = Path(stats_dir) / name
+            self._stats_path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_stats()
+
+    async def __call__(self, batch: Any) -> pa.Table:
+        """The batch (Arrow, pandas or a dict of columns) with the task's output columns."""
+        table = _to_table(batch)
+        self._num_calls += 1
+        self._apply_fault()
+        out = await asyncio.wrap_future(self._loop.submit(table))
+        self._write_stats()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """This actor's counts: `num_calls` plus the engine loop's `EngineLoopStats`."""
+        return {"pid": os.getpid(), "num_calls": self._num_calls, **self._loop.stats.to_dict()}
+
+    def shutdown(self) -> None:
+        """Finishes queued batches and releases the engine."""
+        self._loop.close()
+
+    def _write_stats(self) -> None:
+        if self._stats_path is None:
+            return
+        tmp = self._stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats()))
+        os.replace(tmp, self._stats_path)
+
+    def _apply_fault(self) -> None:
+        fault = self._fault
+        if fault is None or self._num_calls != int(fault["on_call"]):
+            return
+        marker = Path(fault["marker"])
+        times = int(fault.get("times", 1))
+        if fault["kind"] == "raise":
+            with marker.open("a") as f:
+                f.write(f"{os.getpid()}\n")
+            self._loop._inject_failure(RuntimeError("injected engine failure"), times)
+            return
+        done = len(marker.read_text().splitlines()) if marker.exists() else 0
+        if done < times:
+            with marker.open("a") as f:
+                f.write(f"{os.getpid()}\n")
+            os._exit(1)
+
+
+class GenerateActor(EngineActor):
+    """Completions for a prompt column (`generated_text`, `finish_reason`, token counts)."""
+
+    task = "generate"
+
+
+class ChatActor(EngineActor):
+    """Completions for a chat-messages column, rendered with the model's chat template."""
+
+    task = "chat"
+
+
+class EmbedActor(EngineActor):
+    """Embeddings of a text column as `fixed_size_list<float32>[d]`."""
+
+    task = "embed"
+
+
+class ScoreActor(EngineActor):
+    """Similarity / relevance scores of text against text_pair."""
+
+    task = "score"
+
+
+class ClassifyActor(EngineActor):
+    """Class probabilities and the top label of a text column."""
+
+    task = "classify"
+
+
+_ACTORS: dict[str, type[EngineActor]] = {
+    cls.task: cls for cls in (GenerateActor, ChatActor, EmbedActor, ScoreActor, ClassifyActor)
+}
+
+
+def actor_class(task: str) -> type[EngineActor]:
+    """The actor class for a task (`generate` → `GenerateActor`, ...)."""
+    try:
+        return _ACTORS[task]
+    except KeyError:
+        raise RowContractError(
+            f"task={task!r} is unknown; use one of {', '.join(_ACTORS)}"
+        ) from None
+
+
+def _was_restarted() -> bool:
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside a Ray actor
+        return False
+
+
+def _to_table(batch: Any) -> pa.Table:
+    if isinstance(batch, pa.Table):
+        return batch
+    if isinstance(batch, Mapping):
+        return pa.table(dict(batch))
+    if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas
+        return pa.Table.from_pandas(batch, preserve_index=False)
+    raise TypeError(f"batches must be Arrow tables, pandas frames or dicts, got {type(batch)}")
+
+
+# ---- the stage ------------------------------------------------------------------------------
+
+
+def default_num_gpus(config: OperatorConfig) -> float:
+    """`config.num_gpus`, else `tensor_parallel_size` where there are GPUs, else 0."""
+    if config.num_gpus is not None:
+        return float(config.num_gpus)
+    return float(config.tensor_parallel_size) if _has_gpus() else 0.0
+
+
+def _has_gpus() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def map_batches_kwargs(config: OperatorConfig, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for `ds.map_batches(<Task>Actor, **kwargs)`.
+
+    Ray restarts a dead actor (`max_restarts=-1`) and retries its task at most
+    `max_batch_retries` times (`max_task_retries`), so a batch that kills its actor every
+    time fails the job instead of looping.
+    """
+    kwargs: dict[str, Any] = {
+        "fn_constructor_kwargs": {"config": config},
+        "batch_size": config.batch_size,
+        "batch_format": "pyarrow",
+        "concurrency": config.concurrency,
+        "num_gpus": default_num_gpus(config),
+        "max_restarts": -1,
+        "max_task_retries": config.max_batch_retries,
+        "max_concurrency": getattr(config, "max_tasks_per_actor", 2),
+    }
+    kwargs.update(getattr(config, "ray_remote_args", {}) or {})
+    kwargs.update(overrides)
+    return kwargs
+
+
+class Processor:
+    """`Dataset → Dataset`: optional preprocess map, the engine stage, optional postprocess.
+
+    The engine stage's columns are the declared ones (`output_fields`), whatever the rows.
+    """
+
+    def __init__(
+        self,
+        config: OperatorConfig,
+        preprocess: Callable[[Row], Row] | None = None,
+        postprocess: Callable[[Row], Row] | None = None,
+        **map_batches_overrides: Any,
+    ) -> None:
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self.map_batches_overrides = map_batches_overrides
+
+    def __call__(self, ds: Dataset) -> Dataset:
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        ds = ds.map_batches(
+            actor_class(self.config.spec.task),
+            **map_batches_kwargs(self.config, **self.map_batches_overrides),
+        )
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+    def output_fields(self) -> list[pa.Field]:
+        """The columns the engine stage adds, `error` last (reads the model's config)."""
+        return output_fields(self.config.spec, self.config.model_info())
+
+    def output_schema(self, input_schema: pa.Schema) -> pa.Schema:
+        """The engine stage's schema for rows of `input_schema` (after preprocess)."""
+        return output_schema(self.config.spec, self.config.model_info(), input_schema)
+
+
+def build_processor(
+    config: OperatorConfig,
+    preprocess: Callable[[Row], Row] | None = None,
+    postprocess: Callable[[Row], Row] | None = None,
+    **map_batches_overrides: Any,
+) -> Processor:
+    """A `Dataset → Dataset` callable running `config`'s task over every row.
+
+    Args:
+        config: `ProcessorConfig` (or a plain `OperatorConfig`: Ray defaults).
+        preprocess: Row → row before the engine (e.g. build the prompt column).
+        postprocess: Row → row after it (e.g. parse `generated_text`).
+        **map_batches_overrides: Extra `map_batches` arguments for the engine stage.
+
+    Example:
+        >>> processor = build_processor(config, postprocess=lambda r: {"id": r["id"],
+        ...     "answer": r["generated_text"], "error": r["error"]})
+        >>> processor(ray.data.read_parquet("in/")).write_parquet("out/")
+    """
+    actor_class(config.spec.task)  # an unknown task fails here, not in an actor
+    return Processor(config, preprocess, postprocess, **map_batches_overrides)
+
+
+__all__ = [
+    "ProcessorConfig",
+    "EngineActor",
+    "GenerateActor",
+    "ChatActor",
+    "EmbedActor",
+    "ScoreActor",
+    "ClassifyActor",
+    "EngineFailedError",
+    "Processor",
+    "actor_class",
+    "build_processor",
+    "default_num_gpus",
+    "map_batches_kwargs",
+]
