@@ -28,8 +28,8 @@ from .launch import (
 
 __all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
 
-# Keys per inner-loop tile. Independent of the cache block size: each key's block is looked
-# up on its own, so any block size works.
+# Keys per inner-loop tile (and the unit of a split). Independent of the cache block size:
+# each key's block is looked up on its own, so any block size works.
 _BLOCK_N = 64
 # A split shorter than this costs more in the merge than it saves.
 _MIN_PARTITION = 256
@@ -278,7 +278,9 @@ def decode_attention(
     partition_size = cdiv(cdiv(context, num_splits), _BLOCK_N) * _BLOCK_N
     num_splits = cdiv(context, partition_size)
 
-    block_d = next_power_of_2(head_dim)
+    block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+    # float32 or wide heads: halve the key tile to keep the pipelined tiles in shared memory.
+    block_n = _BLOCK_N // 2 if query.dtype == torch.float32 or head_dim > 128 else _BLOCK_N
     if num_splits == 1:
         partial, lse = out, out  # lse is unused
         stride_p, stride_l = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -315,7 +317,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
     )

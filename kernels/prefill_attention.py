@@ -212,6 +212,7 @@ def prefill_attention(
     # Rows of a tile are (token, head) pairs: at least 64, and at least one token's heads.
     block_m = max(64, next_power_of_2(group))
     tokens_per_tile = block_m // group
+    # float32 or wide heads: halve the key tile to keep the pipelined tiles in shared memory.
     wide = query.dtype == torch.float32 or head_dim > 128
     grid = (cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -239,7 +240,7 @@ def prefill_attention(
         TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
-        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),  # tl.dot needs every dimension >= 16
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=32 if wide else 64,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
