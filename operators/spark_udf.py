@@ -1,0 +1,400 @@
+"""Spark front end: pandas UDF factories and a whole-DataFrame `mapInArrow` helper.
+
+Each factory returns an iterator pandas UDF (`Iterator[pd.Series] -> Iterator[pd.DataFrame]`)
+whose result is a struct of the row contract's output fields, `error` included. Batches go
+through `rows.process_table`, so per-row errors, the declared schema and the engine calls are
+exactly those of the Ray front end.
+
+- One engine per Python worker, kept in a module-level cache keyed by
+  `OperatorConfig.engine_fingerprint()` and the device. Spark reuses Python workers across
+  tasks (`spark.python.worker.reuse`, on by default), so the model loads once per worker,
+  not per task or batch.
+- Device: the first GPU Spark assigned to the task (`TaskContext.resources()["gpu"]`), else
+  the CPU (with torch limited to the task's `spark.task.cpus` threads). An explicit
+  `engine_kwargs["device"]` wins.
+- A bad row gets its message in `error`. Anything else (the engine failing) drops the cached
+  engine and fails the task with a RuntimeError naming the model and batch, so Spark's task
+  retry (`spark.task.maxFailures`) runs the partition again on a fresh engine.
+- Embeddings and class probabilities are `array<float>` in Spark; their fixed length is kept
+  in the struct field's metadata (`FIXED_SIZE_KEY`) and on the UDF (`udf.embedding_dim`).
+
+Example:
+    >>> config = OperatorConfig.create(
+    ...     "HuggingFaceTB/SmolLM2-135M-Instruct", "generate",
+    ...     sampling_params={"max_tokens": 32, "temperature": 0},
+    ... )
+    >>> df = spark.read.parquet("prompts.parquet")
+    >>> out = df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")
+    >>> map_in_arrow(df, config).write.parquet("generated.parquet")  # the same, as columns
+
+Tracing (tests and debugging): when the Spark local property `TRACE_DIR_PROPERTY` names a
+folder, each engine build appends `<pid> <engine key>` to `engine_builds.txt` and each batch
+`<pid> <partition> <attempt> <rows>` to `batches.txt` there; a file
+`fail_once_partition_<n>` in it makes the first attempt of partition n fail (and is removed),
+which exercises the task retry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from .config import OperatorConfig
+from .rows import ModelInfo, RowContractError, output_fields, output_schema, process_table
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import DataType, StructField, StructType
+
+FIXED_SIZE_KEY = "batchlm.fixed_size"
+"""Struct-field metadata key: the length of an `array<float>` that Arrow declares fixed-size."""
+TRACE_DIR_PROPERTY = "batchlm.spark.trace_dir"
+"""Spark local property: a folder for engine-build and batch traces (see the module doc)."""
+
+# Python-worker state: engine key → LLM. Lives as long as the worker process.
+_ENGINES: dict[str, Any] = {}
+
+
+# ---- Arrow ↔ Spark types ------------------------------------------------------------------
+
+
+def spark_type(arrow_type: pa.DataType) -> DataType:
+    """The Spark type a row-contract Arrow type is written as."""
+    from pyspark.sql import types as T
+
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return T.StringType()
+    if pa.types.is_int32(arrow_type):
+        return T.IntegerType()
+    if pa.types.is_int64(arrow_type):
+        return T.LongType()
+    if pa.types.is_float32(arrow_type):
+        return T.FloatType()
+    if pa.types.is_float64(arrow_type):
+        return T.DoubleType()
+    if pa.types.is_boolean(arrow_type):
+        return T.BooleanType()
+    if pa.types.is_fixed_size_list(arrow_type) or pa.types.is_list(arrow_type):
+        return T.ArrayType(spark_type(arrow_type.value_type), containsNull=False)
+    raise TypeError(f"no Spark type for Arrow type {arrow_type}")
+
+
+def spark_field(field: pa.Field, *, with_metadata: bool = True) -> StructField:
+    """A Spark field for an output field; a fixed-size list keeps its length in metadata.
+
+    Fields inside a UDF's return struct must go without metadata: Spark compares the type
+    the UDF declared with the one its Arrow batches carry, which has none.
+    """
+    from pyspark.sql.types import StructField
+
+    metadata = {}
+    if with_metadata and pa.types.is_fixed_size_list(field.type):
+        metadata[FIXED_SIZE_KEY] = field.type.list_size
+    return StructField(field.name, spark_type(field.type), nullable=True, metadata=metadata)
+
+
+def spark_output_struct(config: OperatorConfig, info: ModelInfo | None = None) -> StructType:
+    """The task's output fields (`error` last) as a Spark struct."""
+    from pyspark.sql.types import StructType
+
+    info = info or config.model_info()
+    fields = output_fields(config.spec, info)
+    return StructType([spark_field(f, with_metadata=False) for f in fields])
+
+
+def _spark_arrow_type(arrow_type: pa.DataType) -> pa.DataType:
+    """The Arrow type Spark reads back for a column: fixed-size lists become plain lists."""
+    if pa.types.is_fixed_size_list(arrow_type):
+        return pa.list_(pa.field("element", arrow_type.value_type, nullable=False))
+    return arrow_type
+
+
+# ---- the engine, once per Python worker ---------------------------------------------------
+
+
+def _task_context() -> Any:
+    from pyspark import TaskContext
+
+    return TaskContext.get()
+
+
+def task_device(config: OperatorConfig) -> str:
+    """`cuda:<n>` for the first GPU Spark gave this task, else `cpu`; `engine_kwargs` wins."""
+    explicit = config.engine_kwargs.get("device")
+    if explicit not in (None, "auto"):
+        return str(explicit)
+    ctx = _task_context()
+    gpu = ctx.resources().get("gpu") if ctx is not None else None
+    if gpu is None or not gpu.addresses:
+        return "cpu"
+    ordinal = int(gpu.addresses[0])
+    import torch
+
+    # Executors isolated to their GPUs (CUDA_VISIBLE_DEVICES) see them renumbered from 0.
+    count = torch.cuda.device_count()
+    if count and ordinal >= count:
+        ordinal = 0
+    return f"cuda:{ordinal}"
+
+
+def get_engine(config: OperatorConfig) -> Any:
+    """This worker's engine for `config`, built on first use and kept for later tasks."""
+    device = task_device(config)
+    key = f"{config.engine_fingerprint()}@{device}"
+    llm = _ENGINES.get(key)
+    if llm is None:
+        if device == "cpu":
+            _limit_cpu_threads()
+        from batchlm.engine import LLM
+
+        llm = LLM(config.model, **{**config.engine_kwargs, "device": device})
+        _ENGINES[key] = llm
+        _trace("engine_builds.txt", f"{os.getpid()} {key}")
+    return llm
+
+
+def drop_engine(config: OperatorConfig) -> None:
+    """Forgets (and shuts down) this worker's engines for `config`, after a failure."""
+    prefix = config.engine_fingerprint() + "@"
+    for key in [k for k in _ENGINES if k.startswith(prefix)]:
+        llm = _ENGINES.pop(key)
+        try:
+            llm.shutdown()
+        except Exception:  # noqa: BLE001 - a broken engine may fail to shut down too
+            pass
+
+
+def _limit_cpu_threads() -> None:
+    """Spark runs several tasks per executor; torch would otherwise take every core each."""
+    ctx = _task_context()
+    if ctx is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, int(ctx.cpus())))
+
+
+def _trace_dir() -> Path | None:
+    ctx = _task_context()
+    value = ctx.getLocalProperty(TRACE_DIR_PROPERTY) if ctx is not None else None
+    return Path(value) if value else None
+
+
+def _trace(name: str, line: str) -> None:
+    folder = _trace_dir()
+    if folder is not None:
+        with open(folder / name, "a") as f:
+            f.write(line + "\n")
+
+
+def _maybe_fail_once(partition_id: int, attempt: int) -> None:
+    folder = _trace_dir()
+    if folder is None or attempt != 0:
+        return
+    marker = folder / f"fail_once_partition_{partition_id}"
+    try:
+        marker.unlink()
+    except FileNotFoundError:
+        return
+    raise RuntimeError(f"injected failure of partition {partition_id} (attempt {attempt})")
+
+
+# ---- batches ------------------------------------------------------------------------------
+
+
+def process_batches(
+    config: OperatorConfig, info: ModelInfo, tables: Iterator[pa.Table]
+) -> Iterator[pa.Table]:
+    """Runs each incoming table through the engine in slices of `config.batch_size` rows.
+
+    Row errors stay in their rows. Any other failure drops the engine and raises a
+    RuntimeError that fails the task, for Spark to retry.
+    """
+    ctx = _task_context()
+    partition_id = ctx.partitionId() if ctx is not None else -1
+    attempt = ctx.attemptNumber() if ctx is not None else 0
+    llm = None
+    batch_index = 0
+    for table in tables:
+        if table.num_rows == 0:
+            continue
+        for start in range(0, table.num_rows, config.batch_size):
+            piece = table.slice(start, config.batch_size)
+            try:
+                if llm is None:
+                    llm = get_engine(config)
+                _trace("batches.txt", f"{os.getpid()} {partition_id} {attempt} {piece.num_rows}")
+                _maybe_fail_once(partition_id, attempt)
+                out = process_table(llm, config.spec, piece, info)
+            except RowContractError:
+                raise
+            except Exception as e:
+                drop_engine(config)
+                raise RuntimeError(
+                    f"batchlm: model {config.model!r} failed on batch {batch_index} "
+                    f"({piece.num_rows} rows) of partition {partition_id}, attempt {attempt}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            batch_index += 1
+            yield out
+
+
+# ---- pandas UDFs --------------------------------------------------------------------------
+
+
+def _series_table(names: tuple[str, ...], series: tuple[pd.Series, ...]) -> pa.Table:
+    arrays = []
+    for s in series:
+        try:
+            arrays.append(pa.Array.from_pandas(s))
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # Mixed cells (numpy arrays of Rows, say): let the row contract judge each one.
+            arrays.append(pa.array([_plain(v) for v in s], from_pandas=True))
+    return pa.table(dict(zip(names, arrays, strict=True)))
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return [_plain(v) for v in value.tolist()]
+    if hasattr(value, "asDict"):
+        return value.asDict(recursive=True)
+    return value
+
+
+def _to_pandas(table: pa.Table) -> pd.DataFrame:
+    import pandas as pd
+
+    # Nullable integer columns stay integers (numpy would turn them into floats with NaN).
+    nullable = {pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype()}
+    return table.to_pandas(types_mapper=nullable.get)
+
+
+def _make_udf(config: OperatorConfig, task: str) -> Any:
+    if config.spec.task != task:
+        raise RowContractError(
+            f"{task}_udf needs a config with task={task!r}, got task={config.spec.task!r}; "
+            f"build it with OperatorConfig.create(model, {task!r}, ...)"
+        )
+    import pandas as pd
+    from pyspark.sql.functions import pandas_udf
+
+    info = config.model_info()
+    fields = output_fields(config.spec, info)
+    names = config.spec.input_columns
+    out_names = [f.name for f in fields]
+
+    def run(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
+        def tables() -> Iterator[pa.Table]:
+            for batch in batches:
+                series = tuple(batch) if isinstance(batch, tuple) else (batch,)
+                if len(series) != len(names):
+                    raise RowContractError(
+                        f"{task}_udf takes {len(names)} column(s) ({', '.join(names)}), "
+                        f"got {len(series)}"
+                    )
+                yield _series_table(names, series)
+
+        for out in process_batches(config, info, tables()):
+            yield _to_pandas(out.select(out_names))
+
+    return_type = spark_output_struct(config, info)
+
+    def udf_fn(batches):  # type: ignore[no-untyped-def]
+        return run(batches)
+
+    # Real objects, not strings: pyspark reads the eval type (SCALAR_ITER) from them. A
+    # multi-column call (score) hands the function tuples of series under the same type.
+    udf_fn.__annotations__ = {"batches": Iterator[pd.Series], "return": Iterator[pd.DataFrame]}
+    udf_fn.__name__ = f"batchlm_{task}"
+    udf = pandas_udf(udf_fn, return_type)  # type: ignore[call-overload]
+    udf.output_fields = fields
+    udf.input_columns = names
+    udf.embedding_dim = fields[0].type.list_size if task == "embed" else None
+    return udf
+
+
+def generate_udf(config: OperatorConfig) -> Any:
+    """A UDF of the prompt column → struct<generated_text, finish_reason, num_input_tokens,
+    num_output_tokens, error>.
+
+    Example: `df.withColumn("out", generate_udf(config)("prompt"))`.
+    """
+    return _make_udf(config, "generate")
+
+
+def chat_udf(config: OperatorConfig) -> Any:
+    """A UDF of a messages column (array of {role, content} structs, or JSON text) → the
+    same struct as `generate_udf`."""
+    return _make_udf(config, "chat")
+
+
+def embed_udf(config: OperatorConfig) -> Any:
+    """A UDF of a text column → struct<embedding: array<float>, error>; the dimension is in
+    `udf.embedding_dim` and in the field's metadata under `FIXED_SIZE_KEY`."""
+    return _make_udf(config, "embed")
+
+
+def score_udf(config: OperatorConfig) -> Any:
+    """A UDF of (text, text_pair) columns → struct<score: double, error>.
+
+    Example: `df.withColumn("out", score_udf(config)("query", "document"))`.
+    """
+    return _make_udf(config, "score")
+
+
+def classify_udf(config: OperatorConfig) -> Any:
+    """A UDF of a text column → struct<probs: array<float>, label, error>."""
+    return _make_udf(config, "classify")
+
+
+# ---- whole DataFrames ---------------------------------------------------------------------
+
+
+def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
+    """Every column of `df` followed by the task's output columns, via `mapInArrow`.
+
+    The output schema is declared before any row runs (input schema + output fields).
+
+    Example:
+        >>> map_in_arrow(spark.read.parquet("docs.parquet"), embed_config).write.parquet(out)
+    """
+    from pyspark.sql.types import StructType
+
+    info = config.model_info()
+    fields = output_fields(config.spec, info)
+    # Checks the input columns against the task on the driver, before any task starts.
+    output_schema(config.spec, info, pa.schema([pa.field(n, pa.null()) for n in df.columns]))
+    schema = StructType([*df.schema.fields, *(spark_field(f) for f in fields)])
+    casts = {f.name: _spark_arrow_type(f.type) for f in fields}
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        tables = (pa.Table.from_batches([b]) for b in batches)
+        for out in process_batches(config, info, tables):
+            target = pa.schema(
+                [pa.field(f.name, casts.get(f.name, f.type), f.nullable) for f in out.schema]
+            )
+            yield from out.cast(target).to_batches()
+
+    return df.mapInArrow(run, schema)
+
+
+__all__ = [
+    "FIXED_SIZE_KEY",
+    "TRACE_DIR_PROPERTY",
+    "generate_udf",
+    "chat_udf",
+    "embed_udf",
+    "score_udf",
+    "classify_udf",
+    "map_in_arrow",
+    "spark_type",
+    "spark_field",
+    "spark_output_struct",
+    "get_engine",
+    "process_batches",
+]

@@ -1,0 +1,312 @@
+"""Spark UDFs and `map_in_arrow`: Parquet in → engine → Parquet out, on a local[2] cluster.
+
+Every row comes back exactly once, equal to a direct `LLM` call; bad rows carry their error;
+each Python worker builds its engine once; a task that fails once is retried by Spark.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchlm.engine import LLM, SamplingParams
+from batchlm.operators.config import OperatorConfig
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+MAX_RECORDS_PER_BATCH = 32
+GEN_MAX_MODEL_LEN = 64
+GEN_SAMPLING = {"max_tokens": 4, "temperature": 0.0}
+
+
+def test_importing_engine_and_operators_loads_no_pyspark():
+    code = (
+        "import sys, batchlm.engine, batchlm.operators, batchlm.operators.rows\n"
+        "import batchlm.operators.config, batchlm.operators.spark_udf\n"
+        "print(','.join(m for m in ('pyspark', 'py4j') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+
+pyspark = pytest.importorskip("pyspark")
+pytest.importorskip("pandas")
+
+from batchlm.operators import spark_udf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from pyspark.sql import SparkSession
+
+    # The JVM and the Python workers it starts inherit this process's environment.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2,2]")  # 2 cores, a failed task is retried once
+        .appName("batchlm-test-spark-udf")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(MAX_RECORDS_PER_BATCH))
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.adaptive.enabled", "false")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def trace(spark, tmp_path):
+    """A trace folder for the jobs this test runs (engine builds, batches, injected faults)."""
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    spark.sparkContext.setLocalProperty(spark_udf.TRACE_DIR_PROPERTY, str(folder))
+    yield folder
+    spark.sparkContext.setLocalProperty(spark_udf.TRACE_DIR_PROPERTY, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def _write_parquet(folder: Path, table: pa.Table, num_files: int = 4) -> str:
+    folder.mkdir(parents=True)
+    step = -(-table.num_rows // num_files)
+    for i in range(num_files):
+        pq.write_table(table.slice(i * step, step), folder / f"part-{i}.parquet")
+    return str(folder)
+
+
+def _read_sorted(path: str) -> pa.Table:
+    table = pq.read_table(path)
+    return table.sort_by("id")
+
+
+def _lines(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _assert_engine_built_once_per_worker(trace: Path, config: OperatorConfig) -> None:
+    key = config.engine_fingerprint()
+    builds = [pid for pid, k in _lines(trace / "engine_builds.txt") if k.startswith(key)]
+    batches = _lines(trace / "batches.txt")
+    worker_pids = {b[0] for b in batches}
+    assert builds, "no engine was built"
+    assert len(builds) == len(set(builds)), f"a worker built its engine twice: {builds}"
+    assert len(builds) <= len(worker_pids), (builds, worker_pids)
+    assert len(batches) >= 3 * len(builds), (len(batches), builds)
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+
+def _generation_rows() -> tuple[list[int], list[str | None]]:
+    prompts: list[str | None] = [
+        f"Item {i}: the {['cat', 'dog', 'bird', 'fish'][i % 4]} saw {i * 7 % 100} apples"
+        for i in range(220)
+    ]
+    prompts[5] = None
+    prompts[77] = ""
+    prompts[150] = "many words " * GEN_MAX_MODEL_LEN  # longer than max_model_len
+    return list(range(len(prompts))), prompts
+
+
+def test_generate_udf_parquet_round_trip(spark, trace, tiny_llama, tmp_path):
+    ids, prompts = _generation_rows()
+    source = _write_parquet(
+        tmp_path / "in", pa.table({"id": ids, "prompt": pa.array(prompts, pa.string())})
+    )
+    config = OperatorConfig.create(
+        tiny_llama,
+        "generate",
+        engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN},
+        sampling_params=GEN_SAMPLING,
+        batch_size=MAX_RECORDS_PER_BATCH,
+    )
+    udf = spark_udf.generate_udf(config)
+    df = spark.read.parquet(source).repartition(4)
+    out_path = str(tmp_path / "out")
+    df.withColumn("out", udf("prompt")).select("id", "prompt", "out.*").write.parquet(out_path)
+
+    got = _read_sorted(out_path)
+    assert got.column("id").to_pylist() == ids  # every row exactly once
+    assert got.schema.field("num_output_tokens").type == pa.int32()
+    errors = dict(zip(ids, got.column("error").to_pylist(), strict=True))
+    assert "null" in errors[5]
+    assert errors[77] and errors[150]
+    assert "64" in errors[150] or "long" in errors[150], errors[150]
+
+    bad = {5, 77, 150}
+    good = [i for i in ids if i not in bad]
+    llm = LLM(tiny_llama, max_model_len=GEN_MAX_MODEL_LEN)
+    expected = llm.generate(
+        [prompts[i] for i in good], SamplingParams(**GEN_SAMPLING), use_tqdm=False
+    )
+    text = got.column("generated_text").to_pylist()
+    num_out = got.column("num_output_tokens").to_pylist()
+    num_in = got.column("num_input_tokens").to_pylist()
+    for i, ref in zip(good, expected, strict=True):
+        assert errors[i] is None, (i, errors[i])
+        assert text[i] == ref.outputs[0].text, i
+        assert num_out[i] == len(ref.outputs[0].token_ids)
+        assert num_in[i] == len(ref.prompt_token_ids)
+    for i in bad:
+        assert text[i] is None and num_out[i] is None
+    _assert_engine_built_once_per_worker(trace, config)
+
+
+def test_chat_udf_takes_message_structs(spark, tiny_llama):
+    config = OperatorConfig.create(
+        tiny_llama,
+        "chat",
+        engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN},
+        sampling_params=GEN_SAMPLING,
+    )
+    conversations = [
+        [{"role": "user", "content": f"Say {w}"}] for w in ("yes", "no", "maybe", "later")
+    ]
+    rows = [(i, c) for i, c in enumerate(conversations)] + [(len(conversations), None)]
+    df = spark.createDataFrame(rows, "id long, messages array<struct<role:string,content:string>>")
+    got = df.withColumn("out", spark_udf.chat_udf(config)("messages")).orderBy("id").collect()
+
+    llm = LLM(tiny_llama, max_model_len=GEN_MAX_MODEL_LEN)
+    expected = llm.chat(conversations, SamplingParams(**GEN_SAMPLING), use_tqdm=False)
+    assert [r.out.generated_text for r in got[:-1]] == [e.outputs[0].text for e in expected]
+    assert got[-1].out.generated_text is None and "null" in got[-1].out.error
+
+
+# ---- pooling -------------------------------------------------------------------------------
+
+
+def _embedding_rows() -> tuple[list[int], list[str | None]]:
+    texts: list[str | None] = [f"Sentence number {i} is about topic {i % 13}." for i in range(210)]
+    texts[3] = None
+    # Longer than the model's 256 tokens: truncated (as sentence-transformers does), not refused.
+    texts[100] = "Paris is the capital and most populous city of France. " * 40
+    return list(range(len(texts))), texts
+
+
+@pytest.fixture(scope="module")
+def minilm() -> LLM:
+    return LLM(MINILM)
+
+
+def test_embed_map_in_arrow_parquet_round_trip(spark, trace, minilm, tmp_path):
+    ids, texts = _embedding_rows()
+    source = _write_parquet(
+        tmp_path / "in", pa.table({"id": ids, "text": pa.array(texts, pa.string())})
+    )
+    config = OperatorConfig.create(MINILM, "embed", batch_size=16)
+    df = spark.read.parquet(source).repartition(4)
+    out = spark_udf.map_in_arrow(df, config)
+    field = out.schema["embedding"]
+    assert field.metadata[spark_udf.FIXED_SIZE_KEY] == 384
+    assert out.columns == ["id", "text", "embedding", "error"]
+    out_path = str(tmp_path / "out")
+    out.write.parquet(out_path)
+
+    got = _read_sorted(out_path)
+    assert got.column("id").to_pylist() == ids
+    assert got.column("text").to_pylist() == texts  # passed through
+    errors = got.column("error").to_pylist()
+    assert "null" in errors[3]
+    good = [i for i in ids if i != 3]
+    expected = minilm.embed([texts[i] for i in good], use_tqdm=False)
+    embeddings = got.column("embedding").to_pylist()
+    assert embeddings[3] is None
+    got_good = np.array([embeddings[i] for i in good], dtype=np.float32)
+    ref = np.array([e.outputs.embedding for e in expected], dtype=np.float32)
+    assert got_good.shape == (len(good), 384)
+    np.testing.assert_allclose(got_good, ref, atol=1e-5, rtol=0)
+    assert all(errors[i] is None for i in good)
+    _assert_engine_built_once_per_worker(trace, config)
+
+
+def test_embed_and_score_udfs(spark, minilm):
+    texts = ["A man is eating food.", "A man is riding a horse.", None, "The girl sings."]
+    docs = ["Someone eats.", "A rider on a horse.", "x", None]
+    df = spark.createDataFrame(
+        list(zip(range(4), texts, docs, strict=True)), "id long, q string, d string"
+    )
+    embed = spark_udf.embed_udf(OperatorConfig.create(MINILM, "embed"))
+    score = spark_udf.score_udf(OperatorConfig.create(MINILM, "score"))
+    assert embed.embedding_dim == 384
+    rows = (
+        df.select("id", embed("q").alias("e"), score("q", "d").alias("s")).orderBy("id").collect()
+    )
+    ref_embed = minilm.embed([texts[0], texts[1]], use_tqdm=False)
+    ref_score = minilm.score([texts[0], texts[1]], [docs[0], docs[1]], use_tqdm=False)
+    for row, e, s in zip(rows[:2], ref_embed, ref_score, strict=True):
+        np.testing.assert_allclose(row.e.embedding, e.outputs.embedding, atol=1e-5)
+        assert row.s.score == pytest.approx(s.outputs.score, abs=1e-5)
+        assert row.e.error is None and row.s.error is None
+    assert rows[2].e.embedding is None and "'text'" in rows[2].e.error
+    assert rows[3].s.score is None and "'text_pair'" in rows[3].s.error
+
+
+def test_failed_task_is_retried_and_output_is_complete(spark, trace, tmp_path):
+    ids = list(range(200))
+    source = _write_parquet(
+        tmp_path / "in", pa.table({"id": ids, "text": [f"row {i}" for i in ids]})
+    )
+    (trace / "fail_once_partition_1").touch()
+    config = OperatorConfig.create(MINILM, "embed")
+    df = spark.read.parquet(source).repartition(4)
+    out_path = str(tmp_path / "out")
+    spark_udf.map_in_arrow(df, config).write.parquet(out_path)
+
+    assert not (trace / "fail_once_partition_1").exists()  # the failure happened
+    attempts = {(int(p), int(a)) for _, p, a, _ in _lines(trace / "batches.txt")}
+    assert (1, 0) in attempts and (1, 1) in attempts
+    got = _read_sorted(out_path)
+    assert got.column("id").to_pylist() == ids
+    assert got.column("error").null_count == len(ids)
+
+
+# ---- without a cluster -----------------------------------------------------------------------
+
+
+class _BrokenEngine:
+    def __init__(self) -> None:
+        self.shut_down = False
+
+    def enqueue(self, prompts, params):
+        return [str(i) for i in range(len(prompts))]
+
+    def wait_for_completion(self, use_tqdm=True):
+        raise RuntimeError("device lost")
+
+    def shutdown(self):
+        self.shut_down = True
+
+
+def test_engine_failure_fails_the_batch_naming_model_and_batch(monkeypatch):
+    from batchlm.operators.rows import ModelInfo
+
+    config = OperatorConfig.create("some/model", "generate", batch_size=2)
+    engine = _BrokenEngine()
+    key = f"{config.engine_fingerprint()}@cpu"
+    monkeypatch.setitem(spark_udf._ENGINES, key, engine)
+    table = pa.table({"prompt": ["a", "b", "c"]})
+    batches = spark_udf.process_batches(config, ModelInfo(hidden_size=8), iter([table]))
+    with pytest.raises(RuntimeError, match=r"model 'some/model' failed on batch 0 \(2 rows\)"):
+        next(batches)
+    assert engine.shut_down and key not in spark_udf._ENGINES  # the retry gets a fresh engine
+
+
+def test_udf_factory_checks_the_task():
+    from batchlm.operators.rows import RowContractError
+
+    with pytest.raises(RowContractError, match="task='generate'"):
+        spark_udf.generate_udf(OperatorConfig.create(MINILM, "embed"))
