@@ -136,8 +136,8 @@ def run_job(
     """
     plan = plan or plan_job(job)
     out = OutputFolder(job.output.path, plan.manifest)
-    out.prepare(overwrite=overwrite)
     try:
+        out.prepare(overwrite=overwrite)
         pending = [s for s in plan.shards if not out.is_done(s.name)]
         if announce is not None:
             announce(
