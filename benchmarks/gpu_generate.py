@@ -1,0 +1,373 @@
+"""W1, W2, W3 and W5 of BENCHMARKS.md on a CUDA GPU: batchlm against its baseline, one run.
+
+Random-weight models of real shapes (seeded; throughput does not depend on weight values
+once output lengths are fixed with `ignore_eos`), random token-id prompts (seed 0). The
+baseline runs first on the same weights, is freed, then batchlm loads them from the same
+folder. Each line of output is one JSON record (see benchmarks/common.py).
+
+    python benchmarks/gpu_generate.py --workload W1 --out results.jsonl
+    python benchmarks/gpu_generate.py --workload W3 --workload W5
+
+W1: Llama-3.1-8B shape, 256 requests × 512 prompt tokens, 256 output tokens, greedy;
+    HF `generate` at batch 128.
+W2: Qwen2.5-0.5B shape, 256 requests, prompt and output lengths uniform in [100, 1024],
+    temperature 0.6; HF continuous batching (`generate_batch`) when `--baseline-w2`.
+W3: Llama-3.1-8B shape, batch 1, 32-token prompt, 256 output tokens; HF `generate`.
+W5: Llama-3.1-8B shape, 256 requests sharing a 1,024-token prefix + 64 own tokens, 64 output
+    tokens; batchlm with prefix caching on against off.
+
+Every batchlm record carries a decode-step breakdown: the measured time per decode step
+(the full run minus a prefill-only run, over the decode steps) against the floor
+(weight bytes + KV bytes read per step) / HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import Recorder, Timer
+
+from batchlm.engine import LLM, SamplingParams
+
+HBM_BYTES_PER_S = 4.23e12  # measured device-to-device copy rate of the H200
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+SMOKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+QWEN_05B = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+
+def build_random_model(shape: dict, folder: Path):
+    """A seeded random-weight HF model on the GPU (bf16), saved to `folder` for batchlm."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (folder / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE, device_map=DEVICE)
+    else:
+        config = AutoConfig.for_model(**{k: v for k, v in shape.items() if k != "architectures"})
+        config.architectures = shape["architectures"]
+        torch.manual_seed(0)
+        with torch.device(DEVICE):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+        model.save_pretrained(folder, max_shard_size="20GB")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int, batch_size: int) -> float:
+    """Seconds for HF `generate` over `prompts` in batches (left-padded, greedy)."""
+    total = 0.0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=DEVICE)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
+        with torch.inference_mode(), Timer() as t:
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+            )
+        total += t.seconds
+    return total
+
+
+def free(model) -> None:
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_batchlm(llm: LLM, prompts, params) -> tuple[float, list]:
+    llm.reset_prefix_cache()
+    with Timer() as t:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return t.seconds, outs
+
+
+def weight_bytes(llm: LLM) -> int:
+    model = llm.llm_engine.runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_breakdown(llm: LLM, prompts, params: SamplingParams, shape: dict) -> dict:
+    """Time per decode step against the bandwidth floor, for a fixed-length batch."""
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=params.temperature)
+    prefill_s, _ = run_batchlm(llm, prompts, one)
+    full_s, outs = run_batchlm(llm, prompts, params)
+    steps = max(len(o.outputs[0].token_ids) for o in outs) - 1
+    per_step = (full_s - prefill_s) / max(steps, 1)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_bytes_per_token = (
+        2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    )
+    mean_ctx = sum(len(p) for p in prompts) / len(prompts) + (steps + 1) / 2
+    floor = (weight_bytes(llm) + len(prompts) * mean_ctx * kv_bytes_per_token) / HBM_BYTES_PER_S
+    return dict(
+        prefill_seconds=round(prefill_s, 3),
+        decode_steps=steps,
+        decode_ms_per_step=round(per_step * 1e3, 3),
+        decode_floor_ms_per_step=round(floor * 1e3, 3),
+        decode_step_over_floor=round(per_step / floor, 2),
+    )
+
+
+def make_llm(folder: Path, args, **kwargs) -> LLM:
+    return LLM(
+        str(folder),
+        dtype=str(DTYPE).removeprefix("torch."),
+        skip_tokenizer_init=True,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.85,
+        **kwargs,
+    )
+
+
+def w1(args, rec: Recorder, folder: Path) -> None:
+    prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
+    hf = build_random_model(LLAMA_8B, folder)
+    base_s = hf_generate(hf, prompts, 256, 128) if args.baseline else None
+    free(hf)
+    llm = make_llm(folder, args, max_num_seqs=256)
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    run_batchlm(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+    secs, _ = run_batchlm(llm, prompts, params)
+    tps = 256 * 256 / secs
+    base = 256 * 256 / base_s if base_s else None
+    rec.record(
+        workload="W1",
+        system="batchlm",
+        metric="output_tok_per_s",
+        value=round(tps, 1),
+        seconds=round(secs, 3),
+        baseline_value=round(base, 1) if base else None,
+        ratio=round(tps / base, 3) if base else None,
+        model="Llama-3.1-8B shape, random weights",
+        dtype="bfloat16",
+        num_requests=256,
+        prompt_len=512,
+        output_len=256,
+        **decode_breakdown(llm, prompts, params, LLAMA_8B),
+    )
+    if base:
+        rec.record(
+            workload="W1",
+            system="hf-generate",
+            metric="output_tok_per_s",
+            value=round(base, 1),
+            seconds=round(base_s, 3),
+            batch_size=128,
+        )
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def w3(args, rec: Recorder, folder: Path, hf=None) -> None:
+    prompts = prompts_of([32], LLAMA_8B["vocab_size"], 0)
+    hf = build_random_model(LLAMA_8B, folder)
+    base_ms = None
+    if args.baseline:
+        hf_generate(hf, prompts, 8, 1)
+        base_ms = hf_generate(hf, prompts, 256, 1) / 256 * 1e3
+    free(hf)
+    llm = make_llm(folder, args, max_num_seqs=16)
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    secs, _ = run_batchlm(llm, prompts, params)
+    ms = secs / 256 * 1e3
+    rec.record(
+        workload="W3",
+        system="batchlm",
+        metric="ms_per_token",
+        value=round(ms, 3),
+        seconds=round(secs, 3),
+        baseline_value=round(base_ms, 3) if base_ms else None,
+        ratio=round(base_ms / ms, 3) if base_ms else None,
+        model="Llama-3.1-8B shape, random weights",
+        dtype="bfloat16",
+        batch_size=1,
+        prompt_len=32,
+        output_len=256,
+        **decode_breakdown(llm, prompts, params, LLAMA_8B),
+    )
+    if base_ms:
+        rec.record(
+            workload="W3", system="hf-generate", metric="ms_per_token", value=round(base_ms, 3)
+        )
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def w5(args, rec: Recorder, folder: Path) -> None:
+    vocab = LLAMA_8B["vocab_size"]
+    prefix = prompts_of([1024], vocab, 1)[0]
+    prompts = [prefix + own for own in prompts_of([64] * 256, vocab, 2)]
+    if not (folder / "config.json").exists():
+        free(build_random_model(LLAMA_8B, folder))
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    results = {}
+    for caching in (False, True):
+        llm = make_llm(folder, args, max_num_seqs=256, enable_prefix_caching=caching)
+        run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+        results[caching], _ = run_batchlm(llm, prompts, params)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    tps_on, tps_off = 256 * 64 / results[True], 256 * 64 / results[False]
+    common = dict(
+        workload="W5",
+        metric="output_tok_per_s",
+        model="Llama-3.1-8B shape, random weights",
+        shared_prefix_len=1024,
+        own_len=64,
+        output_len=64,
+        num_requests=256,
+    )
+    rec.record(system="batchlm-prefix-caching-off", value=round(tps_off, 1), **common)
+    rec.record(
+        system="batchlm",
+        value=round(tps_on, 1),
+        baseline_value=round(tps_off, 1),
+        ratio=round(tps_on / tps_off, 3),
+        **common,
+    )
+
+
+def w2(args, rec: Recorder, folder: Path) -> None:
+    rng = random.Random(0)
+    lens_in = [rng.randint(100, 1024) for _ in range(256)]
+    lens_out = [rng.randint(100, 1024) for _ in range(256)]
+    prompts = prompts_of(lens_in, QWEN_05B["vocab_size"], 0)
+    hf = build_random_model(QWEN_05B, folder)
+    base = None
+    if args.baseline_w2:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig(
+            max_new_tokens=max(lens_out), do_sample=True, temperature=0.6, eos_token_id=None
+        )
+        with Timer() as t:
+            hf.generate_batch(inputs=prompts, generation_config=gen)
+        base = sum(lens_out) / t.seconds  # approximate: fixed max length for every request
+    free(hf)
+    llm = make_llm(folder, args, max_num_seqs=256)
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.6, seed=i)
+        for i, n in enumerate(lens_out)
+    ]
+    run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+    secs, outs = run_batchlm(llm, prompts, params)
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    tps = total / secs
+    rec.record(
+        workload="W2",
+        system="batchlm",
+        metric="output_tok_per_s",
+        value=round(tps, 1),
+        seconds=round(secs, 3),
+        output_tokens=total,
+        baseline_value=round(base, 1) if base else None,
+        ratio=round(tps / base, 3) if base else None,
+        model="Qwen2.5-0.5B shape, random weights",
+        dtype="bfloat16",
+        num_requests=256,
+    )
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workload", action="append", choices=["W1", "W2", "W3", "W5"])
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false")
+    ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
+    args = ap.parse_args()
+    if args.smoke:
+        global DEVICE, DTYPE
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+        DTYPE = torch.float32
+        LLAMA_8B.update(SMOKE)
+        QWEN_05B.update(SMOKE)
+    rec = Recorder(args.out)
+    llama_dir = Path(tempfile.mkdtemp(prefix="bench-llama8b-"))
+    qwen_dir = Path(tempfile.mkdtemp(prefix="bench-qwen05b-"))
+    for workload in args.workload or ["W1", "W3", "W5", "W2"]:
+        start = time.perf_counter()
+        if workload == "W1":
+            w1(args, rec, llama_dir)
+        elif workload == "W3":
+            w3(args, rec, llama_dir)
+        elif workload == "W5":
+            w5(args, rec, llama_dir)
+        else:
+            w2(args, rec, qwen_dir)
+        print(json.dumps({"workload": workload, "wall_s": round(time.perf_counter() - start, 1)}))
+
+
+if __name__ == "__main__":
+    main()
