@@ -28,11 +28,12 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-import logging
 import os
 import socket
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
     from ray.data import Dataset
 
 Row = dict[str, Any]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,13 +111,6 @@ class EngineActor:
                 f"{config.spec.task!r}; use {actor_class(config.spec.task).__name__}"
             )
         self.config = config
-        if _was_restarted():
-            logger.warning(
-                "%s restarted after its process died; Ray retries the batches it held, each "
-                "at most max_batch_retries=%d times",
-                type(self).__name__,
-                config.max_batch_retries,
-            )
         self._loop = EngineLoop(
             config.build_llm, config.spec, max_batch_retries=config.max_batch_retries
         )
@@ -219,15 +211,6 @@ def actor_class(task: str) -> type[EngineActor]:
         ) from None
 
 
-def _was_restarted() -> bool:
-    try:
-        import ray
-
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # not inside a Ray actor
-        return False
-
-
 def _to_table(batch: Any) -> pa.Table:
     if isinstance(batch, pa.Table):
         return batch
@@ -265,18 +248,29 @@ def map_batches_kwargs(config: OperatorConfig, **overrides: Any) -> dict[str, An
     `max_batch_retries` times (`max_task_retries`), so a batch that kills its actor every
     time fails the job instead of looping.
     """
+    from ray.data import ActorPoolStrategy
+
+    max_tasks = getattr(config, "max_tasks_per_actor", 2)
     kwargs: dict[str, Any] = {
         "fn_constructor_kwargs": {"config": config},
         "batch_size": config.batch_size,
         "batch_format": "pyarrow",
-        "concurrency": config.concurrency,
         "num_gpus": default_num_gpus(config),
         "max_restarts": -1,
         "max_task_retries": config.max_batch_retries,
-        "max_concurrency": getattr(config, "max_tasks_per_actor", 2),
     }
+    if "max_concurrent_calls_per_actor" in inspect.signature(ActorPoolStrategy).parameters:
+        compute = ActorPoolStrategy(
+            size=config.concurrency, max_concurrent_calls_per_actor=max_tasks
+        )
+    else:  # Ray before 2.5x: the actor option itself
+        compute = ActorPoolStrategy(size=config.concurrency)
+        kwargs["max_concurrency"] = max_tasks
+    kwargs["compute"] = compute
     kwargs.update(getattr(config, "ray_remote_args", {}) or {})
     kwargs.update(overrides)
+    if "concurrency" in kwargs and "compute" not in overrides:
+        del kwargs["compute"]  # the caller sized the pool the older way
     return kwargs
 
 
@@ -301,10 +295,14 @@ class Processor:
     def __call__(self, ds: Dataset) -> Dataset:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
-        ds = ds.map_batches(
-            actor_class(self.config.spec.task),
-            **map_batches_kwargs(self.config, **self.map_batches_overrides),
-        )
+        with warnings.catch_warnings():
+            # Ray 2.5x deprecates `**ray_remote_args` but has no other way to bound
+            # `max_task_retries`.
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            ds = ds.map_batches(
+                actor_class(self.config.spec.task),
+                **map_batches_kwargs(self.config, **self.map_batches_overrides),
+            )
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds
