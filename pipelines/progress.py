@@ -55,10 +55,12 @@ class Progress:
         if "num_output_tokens" in table.column_names:
             self.output_tokens += _sum(table.column("num_output_tokens"))
             self.prompt_tokens += _sum(table.column("num_input_tokens"))
-        postfix = f"{self.output_tokens / max(self.seconds, 1e-9):.1f} tok/s"
+        postfix = []
+        if self.output_tokens:
+            postfix.append(f"{self.output_tokens / max(self.seconds, 1e-9):.1f} tok/s")
         if self.failed:
-            postfix += f", {self.failed} failed"
-        self._bar.set_postfix_str(postfix, refresh=False)
+            postfix.append(f"{self.failed} failed")
+        self._bar.set_postfix_str(", ".join(postfix), refresh=False)
         self._bar.update(table.num_rows)
 
     def close(self) -> None:

@@ -36,11 +36,13 @@ class RayRunner(Runner):
         if not tables:
             return
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+            # Actor logs stay in Ray's session folder; errors still reach this process.
+            ray.init(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
             self._started_ray = True
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
         ctx.enable_progress_bars = False  # the job draws its own
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = build_processor(self.config)(ray.data.from_arrow(tables))
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             yield from _split_by_shard(batch)

@@ -37,7 +37,8 @@ class SparkRunner(Runner):
             numbered = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
             df = spark.createDataFrame(numbered)
             parts = min(self.config.concurrency, math.ceil(table.num_rows / self.config.batch_size))
-            df = df.repartition(max(parts, 1))
+            # One partition per engine replica; coalescing to one moves no data.
+            df = df.repartition(parts) if parts > 1 else df.coalesce(1)
             out = map_in_arrow(df, self.config).toArrow()
             out = out.sort_by(ROW_COLUMN).drop_columns([ROW_COLUMN])
             yield ShardBatch(shard.index, out)
