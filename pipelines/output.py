@@ -82,6 +82,13 @@ class OutputFolder:
         """
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock()
+        try:
+            self._check_and_clear(overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_and_clear(self, overwrite: bool) -> None:
         manifest_path = self.path / MANIFEST_NAME
         old = _read_manifest(manifest_path)
         foreign = sorted(

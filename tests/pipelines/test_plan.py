@@ -1,0 +1,167 @@
+"""Job spec parsing, shard planning and the output folder's rules, without a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchlm.pipelines import JobSpec, JobSpecError, OutputConflictError, load_job
+from batchlm.pipelines.output import MANIFEST_NAME, OutputFolder, job_manifest
+from batchlm.pipelines.shards import find_input_files, plan_shards, read_shard
+from batchlm.pipelines.spec import InputSpec
+
+from .conftest import MINILM, sentences, write_job, write_jsonl
+
+# ---- spec -----------------------------------------------------------------------------------
+
+
+def test_spec_shorthand_columns_and_round_trip(tmp_path):
+    job = JobSpec.from_dict(
+        {
+            "input": {"path": "data/", "columns": {"text": "q", "text_pair": "doc"}},
+            "task": "score",
+            "model": MINILM,
+            "output": "out/",
+            "pooling_params": {"normalize": True},
+        }
+    )
+    assert job.output.path == "out/" and job.runner == "local" and job.batch_size == 64
+    config = job.to_operator_config()
+    assert config.spec.text_column == "q" and config.spec.text_pair_column == "doc"
+    assert config.spec.input_columns == ("q", "doc")
+    assert JobSpec.from_dict(job.to_dict()) == job
+    assert job.with_overrides(runner="ray", output="elsewhere").output.path == "elsewhere"
+    with pytest.raises(JobSpecError, match="runner: 'mpi' is unknown"):
+        job.with_overrides(runner="mpi")
+
+
+def test_set_overrides_are_yaml_values(tmp_path):
+    path = write_job(
+        tmp_path / "job.yaml",
+        {"input": "in.jsonl", "task": "generate", "model": "m", "output": "out"},
+    )
+    job = load_job(
+        path,
+        [
+            "sampling_params.max_tokens=8",
+            "sampling_params.stop=[foo, bar]",
+            "input.columns.prompt=question",
+            "engine.enable_prefix_caching=false",
+            "output.compression=snappy",
+        ],
+    )
+    assert job.sampling_params == {"max_tokens": 8, "stop": ["foo", "bar"]}
+    assert job.input.path == "in.jsonl" and job.input.columns == {"prompt": "question"}
+    assert job.engine == {"enable_prefix_caching": False}
+    assert job.output == type(job.output)("out", "snappy")
+
+
+# ---- shards ---------------------------------------------------------------------------------
+
+
+def test_folder_glob_and_file_discovery(tmp_path):
+    write_jsonl(tmp_path / "d" / "b.jsonl", sentences(0, 2))
+    write_jsonl(tmp_path / "d" / "sub" / "a.jsonl", sentences(2, 2))
+    write_jsonl(tmp_path / "d" / ".hidden.jsonl", sentences(4, 1))
+    write_jsonl(tmp_path / "d" / "_tmp" / "c.jsonl", sentences(5, 1))
+    (tmp_path / "d" / "notes.txt").write_text("not input")
+    files = find_input_files(InputSpec(str(tmp_path / "d")))
+    assert [Path(f.path).name for f in files] == ["b.jsonl", "a.jsonl"]
+    shards = plan_shards(files, None)
+    assert [s.name for s in shards] == ["part-00000-b", "part-00001-a"]
+    assert [s.num_rows for s in shards] == [2, 2]
+    # A glob is taken as written: it skips dot-files only.
+    files = find_input_files(InputSpec(str(tmp_path / "d" / "**" / "*.jsonl")))
+    assert [Path(f.path).name for f in files] == ["c.jsonl", "b.jsonl", "a.jsonl"]
+    with pytest.raises(JobSpecError, match="cannot tell the format"):
+        find_input_files(InputSpec(str(tmp_path / "d" / "notes.txt")))
+    assert find_input_files(InputSpec(str(tmp_path / "d" / "notes.txt"), format="csv"))
+
+
+def test_parquet_split_into_row_group_shards(tmp_path):
+    table = pa.Table.from_pylist(sentences(0, 35))
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=10)
+    files = find_input_files(InputSpec(str(tmp_path / "big.parquet")))
+    shards = plan_shards(files, rows_per_shard=20)
+    assert [(s.name, s.row_groups, s.num_rows) for s in shards] == [
+        ("part-00000-big-rg00000", (0, 2), 20),
+        ("part-00001-big-rg00002", (2, 4), 15),
+    ]
+    assert pa.concat_tables(read_shard(s) for s in shards).equals(table)
+    assert [s.row_groups for s in plan_shards(files, rows_per_shard=100)] == [None]
+
+
+# ---- output folder --------------------------------------------------------------------------
+
+
+def manifest(job_hash: str = "a") -> dict:
+    return job_manifest({}, job_hash, "i", {}, ["part-00000-x"]) | {"job_hash": job_hash}
+
+
+def test_output_refuses_foreign_files_and_unknown_parts(tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "report.csv").write_text("x")
+    with pytest.raises(OutputConflictError, match=r"did not write \(report.csv\)"):
+        OutputFolder(tmp_path / "o", manifest()).prepare(overwrite=True)
+    (tmp_path / "o" / "report.csv").unlink()
+    (tmp_path / "o" / "part-00000-x.parquet").write_text("old")
+    with pytest.raises(OutputConflictError, match="no _batchlm_manifest.json"):
+        OutputFolder(tmp_path / "o", manifest()).prepare(overwrite=False)
+    out = OutputFolder(tmp_path / "o", manifest())
+    out.prepare(overwrite=True)
+    assert sorted(p.name for p in out.path.iterdir()) == [".batchlm.lock", MANIFEST_NAME]
+    out.close()
+
+
+def test_output_lock_and_atomic_shards(tmp_path):
+    out = OutputFolder(tmp_path / "o", manifest())
+    out.prepare(overwrite=False)
+    with pytest.raises(OutputConflictError, match="another batchlm process"):
+        OutputFolder(tmp_path / "o", manifest()).prepare(overwrite=False)
+    schema = pa.schema([("id", pa.int64())])
+    with pytest.raises(RuntimeError), out.shard_writer("part-00000-x", schema) as writer:
+        writer.write(pa.table({"id": [1, 2]}))
+        raise RuntimeError("the engine died mid-shard")
+    assert not out.is_done("part-00000-x")
+    assert [p.name for p in out.path.iterdir() if p.name.startswith(".tmp-")] == []
+    with out.shard_writer("part-00000-x", schema) as writer:
+        writer.write(pa.table({"id": [1, 2]}))
+    assert pq.read_table(out.path).column("id").to_pylist() == [1, 2]
+    out.close()
+    (tmp_path / "o" / ".tmp-part-00001-y.parquet.999").write_text("left by a killed run")
+    again = OutputFolder(tmp_path / "o", manifest())
+    again.prepare(overwrite=False)
+    assert not (tmp_path / "o" / ".tmp-part-00001-y.parquet.999").exists()
+    again.close()
+    with pytest.raises(OutputConflictError, match="job hash a there, b now"):
+        OutputFolder(tmp_path / "o", manifest("b")).prepare(overwrite=False)
+
+
+# ---- a job over Parquet row-group shards, and --dry-run ---------------------------------------
+
+
+def test_row_group_shards_end_to_end(tmp_path, capsys):
+    from batchlm.pipelines import cli
+
+    pq.write_table(
+        pa.Table.from_pylist(sentences(0, 30)), tmp_path / "rows.parquet", row_group_size=8
+    )
+    job = {
+        "input": {"path": str(tmp_path / "rows.parquet"), "rows_per_shard": 16},
+        "task": "embed",
+        "model": MINILM,
+        "output": str(tmp_path / "out"),
+        "batch_size": 8,
+    }
+    path = write_job(tmp_path / "job.yaml", job)
+    assert cli.main(["run", str(path), "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert "part-00000-rows-rg00000" in listing and "part-00001-rows-rg00002" in listing
+    assert "to run" in listing and not (tmp_path / "out").exists()
+    assert cli.main(["run", str(path), "-q"]) == 0
+    table = pq.read_table(tmp_path / "out")
+    assert table.column("id").to_pylist() == list(range(30))
+    assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 2
