@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
@@ -26,7 +26,7 @@ from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
 
 from .output import OutputFolder, job_manifest
 from .progress import JobSummary, Progress, metric_values
-from .runner import ShardInput, make_runner
+from .runner import ShardBatch, ShardInput, make_runner
 from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
 from .shards import input_fingerprint as files_fingerprint
 from .spec import JobSpec, JobSpecError
@@ -176,7 +176,11 @@ def run_job(
 
 
 def _write_shards(
-    plan: JobPlan, out: OutputFolder, run: Any, pending: list[Shard], bar: Progress
+    plan: JobPlan,
+    out: OutputFolder,
+    run: Callable[[Iterable[ShardInput]], Iterator[ShardBatch]],
+    pending: list[Shard],
+    bar: Progress,
 ) -> int:
     """Feeds `pending` to the runner and commits each shard's file as soon as it is whole."""
     by_index = {s.index: s for s in pending}

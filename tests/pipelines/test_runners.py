@@ -78,3 +78,31 @@ def test_runner_matches_local(runner: str, generate_job: JobSpec, local_output, 
     assert out.to_pylist() == local_output.to_pylist()
     for name in ("part-00000-a", "part-00001-b", "part-00002-c"):
         assert (tmp_path / runner / f"{name}.parquet").exists()
+
+
+def test_chat_job_on_the_local_runner(tmp_path: Path, tiny_model_factory):
+    conversations = [
+        [{"role": "user", "content": "Name a colour."}],
+        [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "What is tea?"},
+        ],
+    ]
+    write_jsonl(
+        tmp_path / "chats.jsonl", [{"id": i, "messages": c} for i, c in enumerate(conversations)]
+    )
+    job = JobSpec.from_dict(
+        {
+            "input": str(tmp_path / "chats.jsonl"),
+            "task": "chat",
+            "model": str(tiny_model_factory("llama")),
+            "engine": {"max_model_len": 128},
+            "sampling_params": {"temperature": 0, "max_tokens": 3},
+            "output": str(tmp_path / "out"),
+        }
+    )
+    summary = run_job(job, progress=False)
+    assert summary.rows_written == 2 and summary.rows_failed == 0
+    out = pq.read_table(tmp_path / "out")
+    assert out.column("num_output_tokens").to_pylist() == [3, 3]
+    assert out.column("messages").to_pylist()[1][0]["role"] == "system"
