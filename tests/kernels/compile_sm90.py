@@ -1,0 +1,185 @@
+"""Compile every kernel, exactly as its launcher would launch it, for an H100 / H200 (sm_90)
+with Triton's offline compiler: catches what the CPU interpreter cannot (code generation,
+layouts, `tl.dot` shape rules, shared memory), with no GPU.
+
+Run as a script in a process without TRITON_INTERPRET (the kernels must be real JIT
+functions): `python3 -m tests.kernels.compile_sm90` prints one line per compiled launch and
+exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Largest dynamic shared memory one block may use on sm_90 (227 KiB).
+SM90_MAX_SHARED_BYTES = 232448
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+
+
+@dataclass
+class _Launch:
+    kernel: Any
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records instead of launching."""
+
+    kernel: Any
+    launches: list[_Launch] = field(default_factory=list)
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(_Launch(self.kernel, args, kwargs))
+
+        return record
+
+
+@contextlib.contextmanager
+def recording(module: Any, *kernel_names: str) -> Iterator[list[_Launch]]:
+    """Within the block, the module's kernels record their launches (CPU tensors allowed)."""
+    launches: list[_Launch] = []
+    saved = {name: getattr(module, name) for name in (*kernel_names, "check_same_device")}
+    try:
+        for name in kernel_names:
+            recorder = _Recorder(saved[name])
+            recorder.launches = launches
+            setattr(module, name, recorder)
+        module.check_same_device = lambda kernel, **tensors: next(iter(tensors.values())).device
+        yield launches
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def compile_launch(launch: _Launch) -> Any:
+    """Compile one recorded launch for sm_90; returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = launch.kernel
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    values = dict(zip(fn.arg_names, launch.args, strict=False))
+    values.update({k: v for k, v in launch.kwargs.items() if k not in options})
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
+    source = ASTSource(fn, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _paged(num_seqs, q_len, dtype, head_dim, group, block_size=16, num_kv_heads=2):
+    num_tokens = num_seqs * q_len
+    query = torch.zeros(num_tokens, num_kv_heads * group, head_dim, dtype=dtype)
+    cache = torch.zeros(2, 8, block_size, num_kv_heads, head_dim, dtype=dtype)
+    tables = torch.zeros(num_seqs, 4, dtype=torch.int32)
+    lens = torch.full((num_seqs,), 40, dtype=torch.int32)
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * q_len
+    return query, cache[0], cache[1], tables, lens, qsl
+
+
+def record_all_launches() -> list[_Launch]:
+    """Run each launcher over the configurations the engine uses, recording the launches."""
+    from batchlm.kernels import (
+        activation,
+        decode_attention,
+        prefill_attention,
+        rms_norm,
+        rotary,
+        write_kv_cache,
+    )
+
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    launches: list[_Launch] = []
+    with recording(write_kv_cache, "_write_kv_cache_kernel") as got:
+        key = torch.zeros(4, 8, 128, dtype=bf16)
+        cache = torch.zeros(2, 4, 16, 8, 128, dtype=bf16)
+        write_kv_cache.write_kv_cache(
+            key, key, cache[0], cache[1], torch.zeros(4, dtype=torch.long)
+        )
+    launches += got
+    with recording(decode_attention, "_decode_kernel", "_merge_splits_kernel") as got:
+        for dtype, head_dim, group, splits in [
+            (f16, 128, 4, 1),
+            (bf16, 128, 8, 4),
+            (f16, 64, 1, 2),
+            (f32, 128, 4, 2),
+            (bf16, 256, 2, 1),
+        ]:
+            q, kc, vc, tables, lens, _ = _paged(3, 1, dtype, head_dim, group)
+            decode_attention.decode_attention(q, kc, vc, tables, lens, 0.1, 4096, num_splits=splits)
+    launches += got
+    with recording(prefill_attention, "_prefill_kernel") as got:
+        for dtype, head_dim, group in [
+            (f16, 128, 1),
+            (bf16, 128, 4),
+            (f32, 128, 7),
+            (bf16, 256, 8),
+        ]:
+            q, kc, vc, tables, lens, qsl = _paged(2, 20, dtype, head_dim, group)
+            prefill_attention.prefill_attention(q, kc, vc, tables, lens, qsl, 0.1, 20, 24)
+    launches += got
+    with recording(rms_norm, "_rms_norm_kernel") as got:
+        x = torch.zeros(3, 4096, dtype=bf16)
+        rms_norm.fused_add_rms_norm(x, x, torch.zeros(4096, dtype=bf16), 1e-6)
+        rms_norm.rms_norm(torch.zeros(3, 4, 128, dtype=f32), torch.zeros(128), 1e-6)
+    launches += got
+    with recording(rotary, "_rotary_kernel") as got:
+        q = torch.zeros(3, 32, 128, dtype=bf16)
+        cos_sin = torch.zeros(2, 64, 128)
+        rotary.rotary_embedding(torch.zeros(3, dtype=torch.long), q, q[:, :8], cos_sin)
+    launches += got
+    with recording(activation, "_silu_and_mul_kernel") as got:
+        activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=f16))
+    launches += got
+    return launches
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("run without TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
+        return 2
+    for launch in record_all_launches():
+        name = launch.kernel.__name__
+        constexprs = {k: v for k, v in launch.kwargs.items() if k.isupper()}
+        compiled = compile_launch(launch)
+        shared = compiled.metadata.shared
+        print(f"{name} {constexprs}: {shared} bytes shared", flush=True)
+        if shared > SM90_MAX_SHARED_BYTES:
+            print(f"{name} needs {shared} bytes of shared memory", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
