@@ -15,8 +15,13 @@ exactly those of the Ray front end.
 - A bad row gets its message in `error`. Anything else (the engine failing) drops the cached
   engine and fails the task with a RuntimeError naming the model and batch, so Spark's task
   retry (`spark.task.maxFailures`) runs the partition again on a fresh engine.
-- Embeddings and class probabilities are `array<float>` in Spark; their fixed length is kept
-  in the struct field's metadata (`FIXED_SIZE_KEY`) and on the UDF (`udf.embedding_dim`).
+- Embeddings and class probabilities are `array<float>` in Spark. Their fixed length is in
+  the column metadata of `map_in_arrow`'s schema (`FIXED_SIZE_KEY`); a UDF's return struct
+  cannot carry metadata, so each UDF has attributes instead: `udf.embedding_dim` (embed),
+  `udf.output_fields` (the Arrow fields, with `fixed_size_list` lengths) and
+  `udf.input_columns` (the row-contract names of the columns it takes, in order).
+- Rows reach the engine in slices of at most `config.batch_size`; Spark's own batches are
+  `spark.sql.execution.arrow.maxRecordsPerBatch` rows.
 
 Example:
     >>> config = OperatorConfig.create(
@@ -44,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from .config import OperatorConfig
-from .rows import ModelInfo, RowContractError, output_fields, output_schema, process_table
+from .rows import ModelInfo, RowContractError, check_columns, output_fields, process_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -124,7 +129,11 @@ def _task_context() -> Any:
 
 
 def task_device(config: OperatorConfig) -> str:
-    """`cuda:<n>` for the first GPU Spark gave this task, else `cpu`; `engine_kwargs` wins."""
+    """`cuda:<n>` for the first GPU Spark gave this task, else `cpu`; `engine_kwargs` wins.
+
+    With `tensor_parallel_size` > 1 the task should hold that many GPUs; the engine places
+    its ranks itself (`cuda`).
+    """
     explicit = config.engine_kwargs.get("device")
     if explicit not in (None, "auto"):
         return str(explicit)
@@ -132,14 +141,15 @@ def task_device(config: OperatorConfig) -> str:
     gpu = ctx.resources().get("gpu") if ctx is not None else None
     if gpu is None or not gpu.addresses:
         return "cpu"
-    ordinal = int(gpu.addresses[0])
+    address = str(gpu.addresses[0])
+    if config.tensor_parallel_size > 1 or not address.isdigit():
+        return "cuda"
     import torch
 
     # Executors isolated to their GPUs (CUDA_VISIBLE_DEVICES) see them renumbered from 0.
+    ordinal = int(address)
     count = torch.cuda.device_count()
-    if count and ordinal >= count:
-        ordinal = 0
-    return f"cuda:{ordinal}"
+    return f"cuda:{ordinal if ordinal < count or count == 0 else 0}"
 
 
 def get_engine(config: OperatorConfig) -> Any:
@@ -334,8 +344,11 @@ def chat_udf(config: OperatorConfig) -> Any:
 
 
 def embed_udf(config: OperatorConfig) -> Any:
-    """A UDF of a text column → struct<embedding: array<float>, error>; the dimension is in
-    `udf.embedding_dim` and in the field's metadata under `FIXED_SIZE_KEY`."""
+    """A UDF of a text column → struct<embedding: array<float>, error>; the dimension is
+    `udf.embedding_dim`.
+
+    Example: `df.withColumn("out", embed_udf(config)("text")).select("id", "out.embedding")`.
+    """
     return _make_udf(config, "embed")
 
 
@@ -367,8 +380,7 @@ def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
 
     info = config.model_info()
     fields = output_fields(config.spec, info)
-    # Checks the input columns against the task on the driver, before any task starts.
-    output_schema(config.spec, info, pa.schema([pa.field(n, pa.null()) for n in df.columns]))
+    check_columns(config.spec, df.columns)  # on the driver, before any task starts
     schema = StructType([*df.schema.fields, *(spark_field(f) for f in fields)])
     casts = {f.name: _spark_arrow_type(f.type) for f in fields}
 
