@@ -180,13 +180,14 @@ def drop_engine(config: OperatorConfig) -> None:
 
 
 def _limit_cpu_threads() -> None:
-    """Spark runs several tasks per executor; torch would otherwise take every core each."""
+    """Spark runs several tasks per executor; torch would otherwise take every core each.
+    Only lowers the count, so a smaller OMP_NUM_THREADS still holds."""
     ctx = _task_context()
-    if ctx is None or "OMP_NUM_THREADS" in os.environ:
+    if ctx is None:
         return
     import torch
 
-    torch.set_num_threads(max(1, int(ctx.cpus())))
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), int(ctx.cpus()))))
 
 
 def _trace_dir() -> Path | None:
