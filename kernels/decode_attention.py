@@ -79,7 +79,9 @@ def _decode_kernel(
     # The query sits at position seq_len - 1; a window keeps keys > seq_len - 1 - window.
     first_key = tl.maximum(seq_len - sliding_window, 0)
     start = first_key + split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
+    # The last split takes whatever remains, so a sequence longer than the host's
+    # max_seq_len (e.g. a replayed CUDA graph) is still attended in full, only less evenly.
+    end = tl.where(split == NUM_SPLITS - 1, seq_len, tl.minimum(start + partition_size, seq_len))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -237,7 +239,8 @@ def decode_attention(
         block_tables: `[num_seqs, max_num_blocks]` int32 / int64 block ids per sequence.
         seq_lens: `[num_seqs]` int32 / int64 context lengths, each >= 1.
         scale: Softmax scale.
-        max_seq_len: An upper bound of `seq_lens` (from the host: sizes the splits).
+        max_seq_len: The longest context (from the host): sizes the splits. Longer
+            sequences are still correct, with the excess all in the last split.
         sliding_window: Attend only to the last `sliding_window` positions.
         num_splits: Context partitions; None picks by occupancy (`choose_num_splits`).
         out: Optional `[num_seqs, num_heads, head_dim]` output buffer.

@@ -110,3 +110,17 @@ def test_launcher_rejects_bad_arguments(device):
         decode_attention(query[..., :32], key_cache, value_cache, block_tables, lens, 1.0, 5)
     with pytest.raises(ValueError, match="value_cache has dtype"):
         decode_attention(query, key_cache, value_cache.half(), block_tables, lens, 1.0, 5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_contexts_longer_than_max_seq_len_stay_exact(num_splits, device):
+    """max_seq_len only sizes the splits (a captured graph may replay with longer contexts)."""
+    seq_lens = [3, 300, 150]
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, 16, NUM_KV_HEADS, 64, torch.float32, device
+    )
+    query = torch.randn(3, 8, 64, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, 0.125)
+    out = decode_attention(*args, max_seq_len=100, num_splits=num_splits)
+    assert_close(out, decode_attention_ref(*args), ATTENTION_TOLERANCE)
