@@ -1,7 +1,7 @@
 """batchlm's engine: the vLLM-compatible `LLM` API and the engine core behind it."""
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .errors import InvalidParamError, InvalidPromptError, ModelNotFoundError
+from .errors import EngineDeadError, InvalidParamError, InvalidPromptError, ModelNotFoundError
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import (
@@ -40,6 +40,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "EngineDeadError",
     "InvalidParamError",
     "InvalidPromptError",
     "ModelNotFoundError",

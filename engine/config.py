@@ -105,6 +105,16 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the model's heads, MLP and vocabulary are split over, one process each (rank 0
+    is the calling process, ranks 1.. are spawned); one GPU per rank on CUDA, gloo over the
+    CPU cores otherwise. 1 runs everything in this process."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
@@ -112,6 +122,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     disable_log_stats: bool = False
     """Skip collecting statistics: no metrics (`get_metrics`), no `RequestOutput.metrics`,
     no periodic statistics log. `LLM` turns it on unless asked otherwise, as vLLM does."""

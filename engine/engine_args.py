@@ -15,6 +15,7 @@ from .config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     config_torch_dtype,
     resolve_dtype,
@@ -81,6 +82,7 @@ class EngineArgs:
         if self.dtype == "auto" and device.type == "cpu":
             logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
         runner_type = self._runner_type(hf_config)
+        self._check_tensor_parallel(hf_config, runner_type, device)
         derived_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
         if getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
             # Positions start after the padding index.
@@ -132,6 +134,7 @@ class EngineArgs:
             device=DeviceConfig(
                 device=device, attention_backend=backend, enforce_eager=self.enforce_eager
             ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             disable_log_stats=self.disable_log_stats,
             metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
@@ -262,10 +265,28 @@ class EngineArgs:
                     f"metrics_port={port} serves statistics, but disable_log_stats=True turns "
                     "them off; drop one of the two"
                 )
-        if self.tensor_parallel_size != 1:
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+
+    def _check_tensor_parallel(self, hf_config: Any, runner_type: str, device: torch.device):
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if runner_type != "generate":
             raise InvalidParamError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r}: only 1 is supported so far"
+                f"tensor_parallel_size={tp}: pooling models (embed / classify / score) run on "
+                "one device; use tensor_parallel_size=1"
             )
+        if device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise InvalidParamError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} "
+                "visible; lower it or expose more devices (CUDA_VISIBLE_DEVICES)"
+            )
+        from .models.llama import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(hf_config, tp)
+        except ValueError as e:
+            raise InvalidParamError(str(e)) from e
 
 
 def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:

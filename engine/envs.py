@@ -47,3 +47,10 @@ def attention_backend() -> str | None:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET (Triton's own): run Triton kernels in its CPU interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tp_timeout_s() -> float:
+    """BATCHLM_TP_TIMEOUT_S: seconds a tensor-parallel rank may take to start, to answer the
+    engine's own calls, or to join a collective before it counts as failed (default 600)."""
+    value = os.environ.get("BATCHLM_TP_TIMEOUT_S")
+    return float(value) if value else 600.0

@@ -17,3 +17,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 class UnsupportedModelError(ValueError):
     """The model's architecture or format is not one batchlm can run."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot continue: a tensor-parallel worker died or failed, or the engine was
+    shut down. The message says which rank and why; build a new `LLM`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .beam_search import BeamSearchOutput, BeamSearchParams
 from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
-from .errors import InvalidParamError, InvalidPromptError
+from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
@@ -76,9 +76,41 @@ class LLM(PoolingMixin):
             )
         return metrics.snapshot()
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a method on the worker of every tensor-parallel rank; results in rank order.
+
+        Args:
+            method: The name of a `Worker` method (`batchlm.engine.worker.worker`), or a
+                callable called as `method(worker, *args, **kwargs)`; it reaches spawned
+                ranks pickled (cloudpickle when installed, so lambdas work).
+            timeout: Seconds to wait for the other ranks' answers (TimeoutError past it);
+                rank 0 runs in this thread. None waits as long as the ranks live.
+            args: Positional arguments after the worker.
+            kwargs: Keyword arguments.
+
+        Example:
+            >>> llm = LLM(model_dir, tensor_parallel_size=2)
+            >>> llm.collective_rpc(lambda worker: worker.rank)
+            [0, 1]
+        """
+        self._check_open()
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
     def shutdown(self) -> None:
-        """Release the engine's background resources (metrics server); idempotent."""
+        """Stop every worker process and the metrics server and free the model's memory
+        (idempotent; also runs when the LLM is garbage collected or at exit). The LLM
+        cannot be used afterwards."""
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if self.llm_engine.is_shut_down:
+            raise EngineDeadError("this LLM was shut down; build a new one")
 
     def get_tokenizer(self) -> Any:
         """The transformers tokenizer (None with `skip_tokenizer_init=True`)."""
@@ -232,6 +264,7 @@ class LLM(PoolingMixin):
         return prompts
 
     def _require_generation(self, method: str) -> None:
+        self._check_open()
         if self.llm_engine.pooling_runner is not None:
             raise InvalidParamError(
                 f"{method}() needs a generative model, but this one was loaded for pooling "

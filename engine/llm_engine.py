@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import load_tokenizer
+from .worker.executor import Executor, create_executor
 from .worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -60,23 +62,25 @@ class LLMEngine:
         """Prometheus metrics; None with `disable_log_stats`."""
         if not config.disable_log_stats:
             self.metrics = EngineMetrics(mc.model, mc.max_model_len, self.stats)
+        self.is_shut_down = False
         if mc.runner_type == "pooling":
             from .worker.pooling_runner import PoolingRunner
 
             self.pooling_runner = PoolingRunner(config)
+            self.executor = Executor(self.pooling_runner)
             return
-        self.runner = ModelRunner(config)
+        self.executor = create_executor(config)
+        try:
+            num_blocks = self._init_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed engine
+            raise
+        self.runner: ModelRunner = self.executor.runner
+        """Rank 0's runner (the only one with tensor_parallel_size=1)."""
         self.runner.return_sampling_mask = config.return_sampling_mask
-        num_blocks = self.runner.determine_num_blocks()
+        self._execute_model = self.executor.execute_model
         block_size = config.cache.block_size
         max_len = mc.max_model_len
-        if num_blocks * block_size < max_len:
-            raise InvalidParamError(
-                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
-                f"({num_blocks * block_size} tokens), less than max_model_len={max_len}; "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
-            )
-        self.runner.initialize_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -88,6 +92,30 @@ class LLMEngine:
         """With statistics on: requests not scheduled yet (their first_scheduled_time)."""
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
+    def _init_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_blocks()
+        block_size = self.config.cache.block_size
+        max_len = self.config.model.max_model_len
+        if num_blocks * block_size < max_len:
+            raise InvalidParamError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens), less than max_model_len={max_len}; "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self.executor.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (by name) or a callable (with the worker first) on every
+        tensor-parallel rank; the results in rank order."""
+        return self.executor.collective_rpc(method, timeout, args, kwargs)
+
     def start_metrics_server(self) -> None:
         """Serve the metrics over HTTP when `metrics_port` asks for it (after construction,
         so that a failed engine leaves no server behind)."""
@@ -95,9 +123,17 @@ class LLMEngine:
             self.metrics.start_http_server(self.config.metrics_port)
 
     def shutdown(self) -> None:
-        """Stop the metrics server (idempotent)."""
+        """Stop the metrics server and every worker process, and free the model and KV
+        cache (idempotent). The engine cannot run afterwards."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
         if self.metrics is not None:
             self.metrics.shutdown()
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+        self.pooling_runner = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -168,7 +204,7 @@ class LLMEngine:
             self._stash.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.pooling_runner is None and self.scheduler.has_unfinished_requests()
+        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
     def stash_output(self, output: RequestOutput) -> None:
         """Keep a finished output that no caller is waiting for yet."""
@@ -182,7 +218,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._unscheduled:
             self._record_scheduled(sched_out.scheduled)
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self._execute_model(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:

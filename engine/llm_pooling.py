@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidParamError, InvalidPromptError
+from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts
 from .outputs import (
     ClassificationOutput,
@@ -191,6 +191,8 @@ class PoolingMixin:
             metrics.record_pooling([len(x.token_ids) for x in inputs], elapsed)
 
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
+        if self.llm_engine.is_shut_down:
+            raise EngineDeadError("this LLM was shut down; build a new one")
         runner = self.llm_engine.pooling_runner
         if runner is None:
             raise InvalidParamError(

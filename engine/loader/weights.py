@@ -3,6 +3,10 @@
 Checkpoint quirks live here, not in the models: projections that the model merges
 (`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the merged weight,
 tied LM heads are skipped, and rotary buffers that some checkpoints carry are ignored.
+
+Tensor parallelism: a layer built for one rank of several (see `models/layers/linear.py`)
+receives only its part of each checkpoint tensor, read straight from the file (safetensors
+slices), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..models.layers.linear import MergedLinear
+from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
 
 _IGNORED_SUFFIXES = (
     "rotary_emb.inv_freq",
@@ -41,25 +46,81 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, read lazily."""
+class CheckpointTensor:
+    """One tensor of an open safetensors file, read whole or in part when asked."""
+
+    def __init__(self, handle: Any, name: str, path: Path) -> None:
+        self.handle, self.name, self.path = handle, name, path
+
+    def read(self, rows: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or with `rows=(dim, start, length)` only that range along `dim`."""
+        try:
+            if rows is None:
+                return self.handle.get_tensor(self.name)
+            dim, start, length = rows
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            return self.handle.get_slice(self.name)[index]
+        except Exception as e:  # corrupt or truncated files surface here
+            raise UnsupportedModelError(f"cannot read checkpoint file {self.path}: {e}") from e
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(name, tensor handle) for every tensor of every shard; the data is read on demand."""
     for path in safetensors_files(folder):
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield name, f.get_tensor(name)
-        except Exception as e:  # corrupt or truncated files surface here
-            if isinstance(e, UnsupportedModelError):
-                raise
+            f = safe_open(str(path), framework="pt")
+        except Exception as e:
             raise UnsupportedModelError(f"cannot read checkpoint file {path}: {e}") from e
+        with f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, CheckpointTensor(f, name, path)
+
+
+def _read(src: torch.Tensor | CheckpointTensor, rows: tuple[int, int, int] | None):
+    if isinstance(src, CheckpointTensor):
+        return src.read(rows)
+    return src if rows is None else src.narrow(*rows)
+
+
+def _destination(
+    module: nn.Module, leaf: str, shard: int | None, param: torch.Tensor, name: str
+) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """Where a checkpoint tensor goes in `param`, and which `(dim, start, length)` range of
+    it this rank reads (None: all of it)."""
+    tp_size = getattr(module, "tp_size", 1)
+    if shard is not None:
+        assert isinstance(module, MergedLinear)
+        dest = param.data[module.shard_slice(shard)]
+        if tp_size == 1:
+            return dest, None
+        rows = module.checkpoint_rows(shard)
+        return dest, (0, rows.start, rows.stop - rows.start)
+    if tp_size == 1:
+        return param.data, None
+    if isinstance(module, RowParallelLinear):
+        if leaf == "weight":  # [out, in]: this rank's input columns; the bias is whole
+            n = param.shape[1]
+            return param.data, (1, module.tp_rank * n, n)
+        return param.data, None
+    if isinstance(module, _VocabShard):
+        n = module.num_checkpoint_rows
+        param.data[n:].zero_()  # padding rows past the vocabulary
+        return param.data[:n], (0, module.vocab_start, n)
+    if isinstance(module, MergedLinear):
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name!r} is already merged; tensor parallelism needs the "
+            "separate projections (q_proj / k_proj / v_proj, gate_proj / up_proj)"
+        )
+    return param.data, None
 
 
 def load_weights(
     model: nn.Module,
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, torch.Tensor | CheckpointTensor]],
     packed_modules: dict[str, list[str]],
 ) -> None:
-    """Copy checkpoint tensors into `model`'s parameters; every parameter must be filled."""
+    """Copy checkpoint tensors (or this rank's part of them) into `model`'s parameters;
+    every parameter must be filled."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
@@ -86,12 +147,8 @@ def load_weights(
                 f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
                 "the checkpoint does not match its config.json architecture"
             )
-        if shard is None:
-            dest = param.data
-        else:
-            module = modules[module_path]
-            assert isinstance(module, MergedLinear)
-            dest = param.data[module.shard_slice(shard)]
+        dest, rows = _destination(modules[module_path], leaf, shard, param, name)
+        tensor = _read(tensor, rows)
         if dest.shape != tensor.shape:
             raise UnsupportedModelError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

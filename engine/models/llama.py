@@ -6,7 +6,7 @@ Differences between families are declared as class attributes (`qkv_bias`, `o_bi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,13 +15,36 @@ from ..attention.backend import AttentionBackend, AttentionMetadata
 from .base import CausalLM
 from .layers.activation import SiluAndMul
 from .layers.attention import Attention
-from .layers.linear import MergedLinear
+from .layers.linear import MergedLinear, lm_head, row_parallel_linear, vocab_embedding
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_spec_from_config
+
+if TYPE_CHECKING:
+    from ..worker.parallel import TPGroup
 
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads_of(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
+    """Raise when the model's heads or MLP width cannot be split over `tp_size` ranks."""
+    heads, kv_heads = config.num_attention_heads, kv_heads_of(config)
+    inter = config.intermediate_size
+    if heads % tp_size or kv_heads % tp_size or inter % tp_size:
+        import math
+
+        common = math.gcd(math.gcd(heads, kv_heads), inter)
+        sizes = [n for n in range(1, min(common, 16) + 1) if common % n == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide the model's attention heads "
+            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}) and "
+            f"intermediate_size={inter}; sizes that do: {sizes}"
+        )
 
 
 class LlamaAttention(nn.Module):
@@ -34,14 +57,17 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        tp_size = tp.world_size if tp is not None else 1
+        self.num_heads = config.num_attention_heads // tp_size  # on this rank
+        self.num_kv_heads = kv_heads_of(config) // tp_size
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = kv_heads_of(config) * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias, tp)
+        self.o_proj = row_parallel_linear(q_size, config.hidden_size, o_bias, tp)
         self.rotary = rotary
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -74,11 +100,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool = False) -> None:
+    def __init__(self, config: Any, bias: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, tp)
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +138,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, layers: list[LlamaDecoderLayer]) -> None:
+    def __init__(
+        self, config: Any, layers: list[LlamaDecoderLayer], tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,6 +168,7 @@ class LlamaForCausalLM(CausalLM):
         config: The Hugging Face config.
         backend: Attention backend shared by all layers.
         max_position: Longest sequence the engine will run (rotary table size).
+        tp: Tensor-parallel group; None (or one rank) builds the plain single-device model.
     """
 
     packed_modules = {
@@ -149,9 +178,18 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: Any, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        max_position: int,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp_size = tp.world_size if tp is not None else 1
+        if self.tp_size > 1:
+            check_tensor_parallel(config, self.tp_size)
         head_dim = head_dim_of(config)
         rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -166,10 +204,11 @@ class LlamaForCausalLM(CausalLM):
                 o_bias=attention_bias,
                 qk_norm=self.qk_norm,
                 sliding_window=self.sliding_window_of(config, i),
+                tp=tp,
             )
-            layers.append(LlamaDecoderLayer(attn, LlamaMLP(config, mlp_bias), config))
-        self.model = LlamaModel(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            layers.append(LlamaDecoderLayer(attn, LlamaMLP(config, mlp_bias, tp), config))
+        self.model = LlamaModel(config, layers, tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -190,8 +229,7 @@ class LlamaForCausalLM(CausalLM):
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         c = self.config
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return c.num_hidden_layers, kv_heads, head_dim_of(c)
+        return c.num_hidden_layers, kv_heads_of(c) // self.tp_size, head_dim_of(c)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -4,11 +4,18 @@ It makes no policy decisions: the scheduler says which tokens run; the runner la
 out (input ids, positions, slot mapping, block tables), runs the model once, samples the
 requests that reached their last token, and hands token ids back as plain Python values
 (one device → host copy per step).
+
+With tensor parallelism every rank has a runner over its shard of the model. Rank 0 (in
+the driver process) lays out each step as `StepInputs` host arrays and hands them to
+`step_listener`, which sends them to the other ranks; they run `execute_step_inputs`, the
+same forward and the same LM-head calls (whose collectives pair up with rank 0's), and
+only rank 0 samples.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +27,7 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
+from .parallel import TPGroup
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -71,6 +79,22 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class StepInputs:
+    """One step laid out on the host: everything the forward and the LM head need (what
+    rank 0 sends the other tensor-parallel ranks)."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int64
+    seq_lens: np.ndarray  # [num_seqs] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    sample_rows: np.ndarray  # [num_sampled] int64, rows of the hidden states to sample from
+    prompt_rows: np.ndarray  # [num_prompt_positions] int64, rows scoring prompt tokens
+    prompt_targets: np.ndarray  # [num_prompt_positions] int64, the prompt tokens they score
+
+
+@dataclass
 class _PromptLogprobsJob:
     """Where one request's prompt-logprob positions sit in the step's rows."""
 
@@ -85,16 +109,25 @@ class ModelRunner:
 
     Args:
         config: The engine configuration (model, cache, device).
+        tp: This rank's tensor-parallel group (None: a single device).
+        device: Overrides `config.device.device` (each tensor-parallel rank has its own GPU).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TPGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.config = config
-        self.device = config.device.device
+        self.device = device or config.device.device
+        self.tp = tp
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend)
         hf_config = config.model.hf_config
         model_cls = get_model_class(config.model.architecture)
+        model_kwargs = {} if tp is None else {"tp": tp}
         self.model = build_model(
             model_cls,
             Path(config.model.path),
@@ -103,6 +136,7 @@ class ModelRunner:
             config=hf_config,
             backend=self.backend,
             max_position=config.model.max_model_len,
+            **model_kwargs,
         )
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
@@ -113,6 +147,9 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.return_sampling_mask = False
         """Return, per sampled token, the ids that survived filtering (set by the engine)."""
+        self.step_listener: Callable[[StepInputs], None] | None = None
+        """Rank 0 with tensor parallelism: receives each step's inputs before the forward
+        (and sends them to the other ranks)."""
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -199,6 +236,56 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput()
         reqs = out.scheduled
+        inputs, prompt_jobs = self._prepare_inputs(reqs)
+        if self.step_listener is not None:
+            self.step_listener(inputs)
+        hidden = self._forward(inputs)
+        prompt_result = (
+            self._score_prompt(hidden, inputs.prompt_rows, inputs.prompt_targets, prompt_jobs)
+            if prompt_jobs
+            else []
+        )
+        if not len(inputs.sample_rows):
+            return self._to_host([], None, prompt_jobs, prompt_result)
+        dev = self.device
+        logits = self.model.compute_logits(hidden[_to(inputs.sample_rows, dev)])
+        # logits: [num_sampled, vocab]
+        sampled_reqs = [r for r in reqs if r.needs_sample]
+        generators = {}
+        for row, r in enumerate(sampled_reqs):
+            gen = self._generator_for(r.request_id, r.sampling_params.seed)
+            if gen is not None:
+                generators[row] = gen
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in sampled_reqs],
+            generators,
+            self.vocab_size,
+            dev,
+            output_token_ids=[r.output_token_ids for r in sampled_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sampled_reqs],
+            eos_token_ids=[r.eos_token_id for r in sampled_reqs],
+            return_sampling_mask=self.return_sampling_mask,
+        )
+        result = self.sampler(logits, meta)
+        return self._to_host(sampled_reqs, result, prompt_jobs, prompt_result)
+
+    @torch.inference_mode()
+    def execute_step_inputs(self, inputs: StepInputs) -> None:
+        """A tensor-parallel rank other than 0: rank 0's forward and LM-head calls, in the
+        same order, so that every collective pairs up; nothing is sampled."""
+        hidden = self._forward(inputs)
+        dev = self.device
+        if len(inputs.prompt_rows):
+            rows = _to(inputs.prompt_rows, dev)
+            for lo, hi in self._prompt_slices(len(inputs.prompt_rows)):
+                self.model.compute_logits(hidden[rows[lo:hi]])
+        if len(inputs.sample_rows):
+            self.model.compute_logits(hidden[_to(inputs.sample_rows, dev)])
+
+    def _prepare_inputs(
+        self, reqs: list[ScheduledRequest]
+    ) -> tuple[StepInputs, list[_PromptLogprobsJob]]:
+        """Lay the step out as host arrays."""
         num_seqs = len(reqs)
         query_lens = np.fromiter((len(r.token_ids) for r in reqs), np.int64, num_seqs)
         starts = np.fromiter((r.start_pos for r in reqs), np.int64, num_seqs)
@@ -220,52 +307,41 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
+        prompt_jobs, prompt_rows, prompt_targets = self._prompt_logprobs_rows(reqs, qsl)
+        sample_seqs = [i for i, r in enumerate(reqs) if r.needs_sample]
+        inputs = StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            sample_rows=qsl[1:][sample_seqs] - 1,  # each sampled sequence's last token
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
+        )
+        return inputs, prompt_jobs
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
         dev = self.device
+        qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
+        query_lens = np.diff(qsl)
         metadata = AttentionMetadata(
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
+            num_seqs=len(seq_lens),
+            num_tokens=len(inputs.input_ids),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc=_to(qsl.astype(np.int32), dev),
             seq_lens=_to(seq_lens.astype(np.int32), dev),
-            block_tables=_to(block_tables.astype(np.int32), dev),
-            slot_mapping=_to(slot_mapping, dev),
+            block_tables=_to(inputs.block_tables.astype(np.int32), dev),
+            slot_mapping=_to(inputs.slot_mapping, dev),
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )
         self.backend.prepare(metadata)
-        hidden = self.model(_to(input_ids, dev), _to(positions, dev), self.kv_caches, metadata)
-
-        prompt_jobs, prompt_rows, prompt_targets = self._prompt_logprobs_rows(reqs, qsl)
-        prompt_result = (
-            self._score_prompt(hidden, prompt_rows, prompt_targets, prompt_jobs)
-            if prompt_jobs
-            else []
+        return self.model(
+            _to(inputs.input_ids, dev), _to(inputs.positions, dev), self.kv_caches, metadata
         )
-        sample_rows = [i for i, r in enumerate(reqs) if r.needs_sample]
-        if not sample_rows:
-            return self._to_host([], None, prompt_jobs, prompt_result)
-        last_token = _to(qsl[1:][sample_rows] - 1, dev)
-        logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab]
-        sampled_reqs = [reqs[i] for i in sample_rows]
-        generators = {}
-        for row, r in enumerate(sampled_reqs):
-            gen = self._generator_for(r.request_id, r.sampling_params.seed)
-            if gen is not None:
-                generators[row] = gen
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in sampled_reqs],
-            generators,
-            self.vocab_size,
-            dev,
-            output_token_ids=[r.output_token_ids for r in sampled_reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in sampled_reqs],
-            eos_token_ids=[r.eos_token_id for r in sampled_reqs],
-            return_sampling_mask=self.return_sampling_mask,
-        )
-        result = self.sampler(logits, meta)
-        return self._to_host(sampled_reqs, result, prompt_jobs, prompt_result)
 
     # ---- prompt logprobs --------------------------------------------------------------
 
@@ -297,6 +373,11 @@ class ModelRunner:
         flat_targets = np.fromiter((t for ts in targets for t in ts), np.int64)
         return jobs, np.concatenate(rows), flat_targets
 
+    def _prompt_slices(self, num_rows: int) -> list[tuple[int, int]]:
+        """Row ranges whose `[rows, vocab]` logits are materialised one at a time."""
+        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
+
     def _score_prompt(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
@@ -313,13 +394,12 @@ class ModelRunner:
         dev = self.device
         max_k = max(job.num_top for job in jobs)
         rows_t, targets_t = _to(rows, dev), _to(targets, dev)
-        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
         parts: list[list[torch.Tensor]] = []
-        for lo in range(0, len(rows), step):
+        for lo, hi in self._prompt_slices(len(rows)):
             logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[rows_t[lo : lo + step]]), dim=-1
+                self.model.compute_logits(hidden[rows_t[lo:hi]]), dim=-1
             )  # [n, vocab]
-            target_lp = logprobs.gather(1, targets_t[lo : lo + step, None]).squeeze(1)
+            target_lp = logprobs.gather(1, targets_t[lo:hi, None]).squeeze(1)
             part = [target_lp, (logprobs > target_lp[:, None]).sum(-1) + 1]
             if max_k:
                 top = logprobs.topk(max_k, dim=-1)

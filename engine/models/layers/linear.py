@@ -1,28 +1,163 @@
-"""Linear layers whose output concatenates several checkpoint tensors (q|k|v, gate|up)."""
+"""Linear and embedding layers, merged (q|k|v, gate|up) and tensor-parallel.
+
+Tensor parallelism follows the usual split: projections that fan out (q|k|v, gate|up) are
+column-parallel (each rank holds a slice of every merged projection's output rows, and its
+output stays sharded), the projections that fan back in (o_proj, down_proj) are
+row-parallel (each rank holds a slice of the input columns; the partial outputs are summed
+by an all-reduce), and the vocabulary is split in contiguous ranges across ranks for the
+embedding and the LM head. Each layer records which part of the checkpoint tensor it holds
+(`tp_rank`, `tp_size`); the loader reads that part.
+
+With one rank the factories below return the plain layers, so a single-device model runs
+exactly the code it would without tensor parallelism.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ...worker.parallel import TPGroup
+
+
+def _divide(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={tp_size}")
+    return total // tp_size
 
 
 class MergedLinear(nn.Linear):
     """One matmul for several projections that read the same input.
 
+    With tensor parallelism each projection is split by output rows: this rank holds rows
+    `[tp_rank * n / tp_size, (tp_rank + 1) * n / tp_size)` of each, side by side.
+
     Args:
         in_features: Input width.
-        output_sizes: Width of each merged projection, in checkpoint order.
+        output_sizes: Width of each merged projection (whole model), in checkpoint order.
         bias: Whether the projections have biases.
+        tp: The tensor-parallel group (None: one rank).
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup | None = None
+    ) -> None:
+        self.tp_rank = tp.rank if tp is not None else 0
+        self.tp_size = tp.world_size if tp is not None else 1
+        local = [_divide(n, self.tp_size, "output size") for n in output_sizes]
+        super().__init__(in_features, sum(local), bias=bias)
+        self.output_sizes = local
+        """Width of each projection on this rank."""
 
     def shard_slice(self, shard: int) -> slice:
-        """Rows of the weight that hold projection number `shard`."""
+        """Rows of this rank's weight that hold projection number `shard`."""
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    def checkpoint_rows(self, shard: int) -> slice:
+        """Rows of the checkpoint's projection `shard` that this rank holds."""
+        n = self.output_sizes[shard]
+        return slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out.split(self.output_sizes, dim=-1))
+
+
+class RowParallelLinear(nn.Linear):
+    """`y = x W^T + b` where this rank holds a slice of W's input columns and `x` arrives
+    sharded the same way; the partial products are summed over ranks. The bias is whole on
+    every rank and added once, after the sum.
+
+    Args:
+        in_features: Input width of the whole layer.
+        out_features: Output width.
+        bias: Whether the layer has a bias.
+        tp: The tensor-parallel group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        super().__init__(_divide(in_features, tp.world_size, "input size"), out_features, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] → [n, out]
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class _VocabShard:
+    """This rank's contiguous range of the (padded) vocabulary."""
+
+    def _init_shard(self, vocab_size: int, tp: TPGroup) -> int:
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        self.org_vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        """First token id this rank holds; rows past the vocabulary are zero padding."""
+        return self.rows_per_rank
+
+    @property
+    def num_checkpoint_rows(self) -> int:
+        """Real (not padding) vocabulary rows on this rank."""
+        return max(0, min(self.rows_per_rank, self.org_vocab_size - self.vocab_start))
+
+
+class VocabParallelEmbedding(nn.Embedding, _VocabShard):
+    """Token embedding with the vocabulary split across ranks: each rank looks up the ids
+    in its range, zeros the others, and an all-reduce assembles every row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        rows = self._init_shard(vocab_size, tp)
+        nn.Embedding.__init__(self, rows, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] → [n, hidden]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Linear, _VocabShard):
+    """LM head with the vocabulary split across ranks: each rank scores its token range, an
+    all-gather puts the ranges side by side, and the padding columns are dropped."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
+        rows = self._init_shard(vocab_size, tp)
+        nn.Linear.__init__(self, hidden_size, rows, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, vocab]
+        logits = self.tp.all_gather_last_dim(F.linear(x, self.weight))
+        return logits[:, : self.org_vocab_size]
+
+
+def _is_parallel(tp: TPGroup | None) -> bool:
+    return tp is not None and tp.world_size > 1
+
+
+def row_parallel_linear(
+    in_features: int, out_features: int, bias: bool, tp: TPGroup | None
+) -> nn.Linear:
+    """A row-parallel layer, or a plain `nn.Linear` on one rank."""
+    if _is_parallel(tp):
+        return RowParallelLinear(in_features, out_features, bias, tp)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup | None) -> nn.Embedding:
+    """A vocabulary-parallel embedding, or a plain `nn.Embedding` on one rank."""
+    if _is_parallel(tp):
+        return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+    return nn.Embedding(vocab_size, hidden_size)
+
+
+def lm_head(hidden_size: int, vocab_size: int, tp: TPGroup | None) -> nn.Linear:
+    """A vocabulary-parallel LM head, or a plain bias-free `nn.Linear` on one rank."""
+    if _is_parallel(tp):
+        return ParallelLMHead(hidden_size, vocab_size, tp)
+    return nn.Linear(hidden_size, vocab_size, bias=False)

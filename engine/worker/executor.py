@@ -1,0 +1,485 @@
+"""Executors: where the ranks' workers run, and how the engine reaches all of them.
+
+`Executor` is one rank in this process (`tensor_parallel_size=1`): the engine calls the
+runner's own `execute_model`, with nothing in between. `MultiprocExecutor` keeps rank 0 in
+this process and spawns ranks 1..N-1: rank 0's runner sends each step's inputs down a pipe
+to every other rank before its forward, and the ranks meet in the forward's collectives.
+
+A failed rank never leaves the driver hanging: before each step the driver polls the
+workers' pipes and process sentinels (one `select`), a rank's exception arrives as a
+message, a dead rank breaks the gloo collectives at once (for NCCL a watchdog thread
+aborts the group), and every wait on a worker has a timeout or a liveness check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+import torch
+
+from .. import envs
+from ..config import EngineConfig
+from ..errors import EngineDeadError
+from .worker import (
+    FATAL,
+    READY,
+    RESULT,
+    RPC,
+    STARTED,
+    STEP,
+    STOP,
+    Worker,
+    WorkerProcessArgs,
+    call_method,
+    dumps_call,
+    run_worker_process,
+)
+
+logger = logging.getLogger(__name__)
+
+# Seconds a failing step waits for the failed rank's report (exit status or traceback).
+FAILURE_REPORT_WAIT_S = 5.0
+# Seconds `shutdown` waits for a worker to exit before terminating it.
+SHUTDOWN_GRACE_S = 5.0
+
+
+class Executor:
+    """The single rank, in this process.
+
+    Args:
+        runner: The rank's model runner (generative or pooling).
+    """
+
+    world_size = 1
+
+    def __init__(self, runner: Any) -> None:
+        self.driver_worker = Worker(runner)
+        self.is_shut_down = False
+        if hasattr(runner, "execute_model"):
+            # The engine calls the runner directly: no indirection on the single-rank path.
+            self.execute_model = runner.execute_model
+
+    @property
+    def runner(self) -> Any:
+        return self.driver_worker.model_runner
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
+        """Call `method` on every rank's worker; results in rank order.
+
+        The calling thread runs rank 0's call itself and cannot interrupt it, so `timeout`
+        is checked when it returns.
+        """
+        self._check_open()
+        start = time.monotonic()
+        result = call_method(self.driver_worker, method, tuple(args), dict(kwargs or {}))
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise TimeoutError(
+                f"collective_rpc({_name(method)}) took longer than timeout={timeout} s"
+            )
+        return [result]
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if a rank has failed."""
+
+    def shutdown(self) -> None:
+        """Free the runner's model and KV cache (idempotent)."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        _release(self.runner)
+
+    def _check_open(self) -> None:
+        if self.is_shut_down:
+            raise EngineDeadError("the engine was shut down; build a new LLM")
+
+
+@dataclass
+class _WorkerHandle:
+    rank: int
+    process: Any  # multiprocessing.Process
+    conn: Any  # multiprocessing.connection.Connection
+    pid: int | None = None
+
+
+class MultiprocExecutor(Executor):
+    """Rank 0 here, ranks 1..N-1 in spawned processes.
+
+    Args:
+        config: The engine configuration; `config.parallel.tensor_parallel_size` ranks.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from .model_runner import ModelRunner
+        from .parallel import create_store, create_tp_group
+
+        self.world_size = config.parallel.tensor_parallel_size
+        self.timeout_s = envs.tp_timeout_s()
+        self.is_shut_down = False
+        self._workers: list[_WorkerHandle] = []
+        self._dead_reason: str | None = None
+        self._call_ids = itertools.count()
+        self._tp = None
+        self._watch_stop: Any = None
+        device = config.device.device
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        num_threads = None
+        if device.type == "cpu":  # the ranks share this machine's cores
+            num_threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        store = create_store(self.world_size, self.timeout_s)
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(1, self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                args = WorkerProcessArgs(
+                    config, rank, self.world_size, store.port, self.timeout_s, num_threads
+                )
+                process = ctx.Process(
+                    target=run_worker_process,
+                    args=(args, child),
+                    name=f"batchlm-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child.close()
+                self._workers.append(_WorkerHandle(rank, process, parent))
+            for w in self._workers:
+                w.pid = self._expect(w, STARTED)
+            self._tp = self._while_watching(
+                lambda: create_tp_group(store, 0, self.world_size, device, self.timeout_s)
+            )
+            runner = ModelRunner(config, tp=self._tp, device=device)
+            for w in self._workers:
+                self._expect(w, READY)
+        except BaseException:
+            self.shutdown()
+            raise
+        super().__init__(runner)
+        self.execute_model = self._execute_model
+        self._store = store  # workers may reconnect while the group lives
+        self._start_watchdog()
+        logger.info(
+            "tensor parallel: %d ranks (%s), worker pids %s",
+            self.world_size,
+            self._tp.backend,
+            [w.pid for w in self._workers],
+        )
+
+    # ---- setup ------------------------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        # Every rank profiles its own memory (the CUDA profile runs collective forwards).
+        return min(self.collective_rpc("determine_num_blocks", timeout=self.timeout_s))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", timeout=self.timeout_s, args=(num_blocks,))
+        # From now on every step of rank 0 goes to the other ranks too.
+        self.runner.step_listener = self._broadcast_step
+
+    def _expect(self, w: _WorkerHandle, kind: str) -> Any:
+        """Wait for a startup message from `w` (bounded, and failing fast if it dies)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineDeadError(
+                    f"tensor-parallel rank {w.rank} did not start within {self.timeout_s} s "
+                    "(BATCHLM_TP_TIMEOUT_S)"
+                )
+            ready = connection.wait([w.conn, w.process.sentinel], timeout=remaining)
+            if w.conn in ready:
+                got, payload = w.conn.recv()
+                if got == kind:
+                    return payload
+                if got == FATAL:
+                    raise EngineDeadError(
+                        f"tensor-parallel rank {w.rank} failed to start:\n{payload}"
+                    )
+            elif ready:
+                raise EngineDeadError(
+                    f"tensor-parallel rank {w.rank} exited while starting "
+                    f"({_exit_status(w.process)})"
+                )
+
+    def _while_watching(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a blocking rendezvous) in a thread; fail fast if a worker dies."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # re-raised in the caller
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name="batchlm-tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            for w in self._workers:
+                if not w.process.is_alive():
+                    self._expect(w, READY)  # raises with the worker's report
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _start_watchdog(self) -> None:
+        """NCCL collectives wait out their timeout on a dead peer; abort them instead."""
+        if self._tp.backend != "nccl":
+            return
+        stop_r, stop_w = multiprocessing.Pipe(duplex=False)
+        self._watch_stop = stop_w
+        sentinels = [w.process.sentinel for w in self._workers]
+
+        def watch() -> None:
+            ready = connection.wait([*sentinels, stop_r])
+            if stop_r not in ready and not self.is_shut_down:
+                logger.error("a tensor-parallel worker died; aborting the process group")
+                self._tp.abort()
+
+        threading.Thread(target=watch, name="batchlm-tp-watchdog", daemon=True).start()
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def _broadcast_step(self, inputs: Any) -> None:
+        data = pickle.dumps((STEP, inputs), protocol=pickle.HIGHEST_PROTOCOL)
+        for w in self._workers:
+            w.conn.send_bytes(data)
+
+    def _execute_model(self, scheduler_output: Any) -> Any:
+        self.check_health()
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def check_health(self) -> None:
+        self._check_open()
+        ready = connection.wait(self._watched(), timeout=0)
+        if ready:
+            reason = self._failure_report(ready_now=ready)
+            if reason is not None:
+                self._fail_with(reason)
+
+    def _watched(self) -> list[Any]:
+        return [x for w in self._workers for x in (w.conn, w.process.sentinel)]
+
+    def _failure_report(self, ready_now: list[Any] | None = None, wait_s: float = 0.0):
+        """What went wrong with a rank, or None if every rank is fine. Stale rpc results
+        found on the way are dropped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ready = ready_now if ready_now is not None else []
+            ready_now = None
+            if not ready:
+                ready = connection.wait(
+                    self._watched(), timeout=max(0.0, deadline - time.monotonic())
+                )
+            for w in self._workers:
+                report = None
+                if w.conn in ready:
+                    try:
+                        kind, payload = w.conn.recv()
+                    except (EOFError, OSError):
+                        kind, payload = None, None
+                    if kind == FATAL:
+                        report = f"tensor-parallel rank {w.rank} (pid {w.pid}) failed:\n{payload}"
+                if report is None and w.process.sentinel in ready:
+                    w.process.join(0)
+                    report = (
+                        f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
+                        f"({_exit_status(w.process)})"
+                    )
+                if report is not None:
+                    return report
+            if time.monotonic() >= deadline:
+                return None
+
+    def _fail(self, cause: BaseException) -> None:
+        """A step or call broke off: find the failed rank, stop the others, and raise
+        `EngineDeadError` (or let the caller re-raise `cause` when no rank failed)."""
+        if isinstance(cause, EngineDeadError):
+            self.shutdown()
+            return
+        communication = isinstance(cause, (RuntimeError, OSError, EOFError))
+        report = self._failure_report(wait_s=FAILURE_REPORT_WAIT_S if communication else 0.0)
+        if report is None:
+            # Rank 0 itself failed mid-step: the other ranks are stuck in its collectives.
+            self._dead_reason = f"rank 0 failed during a step: {cause!r}"
+            self.shutdown()
+            return
+        self._fail_with(report, cause)
+
+    def _fail_with(self, report: str, cause: BaseException | None = None) -> None:
+        self._dead_reason = report
+        self.shutdown()
+        raise EngineDeadError(report + "\nThe engine is stopped; build a new LLM.") from cause
+
+    # ---- collective_rpc ---------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
+        """Call `method` on every rank's worker; results in rank order.
+
+        Rank 0's call runs in this thread once the other ranks have theirs; `timeout`
+        bounds the wait for the other ranks' answers (TimeoutError past it).
+        """
+        self.check_health()
+        args, kwargs = tuple(args), dict(kwargs or {})
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call_id = next(self._call_ids)
+        message = dumps_call((RPC, (call_id, method, args, kwargs)))
+        try:
+            for w in self._workers:
+                w.conn.send_bytes(message)
+        except OSError as e:
+            self._fail(e)
+            raise
+        results = [call_method(self.driver_worker, method, args, kwargs)]
+        for w in self._workers:
+            results.append(self._wait_result(w, call_id, deadline, timeout, _name(method)))
+        return results
+
+    def _wait_result(
+        self,
+        w: _WorkerHandle,
+        call_id: int,
+        deadline: float | None,
+        timeout: float | None,
+        name: str,
+    ) -> Any:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait([w.conn, w.process.sentinel], timeout=remaining)
+            if w.conn in ready:
+                try:
+                    kind, payload = w.conn.recv()
+                except (EOFError, OSError):
+                    continue  # the sentinel reports the death next round
+                if kind == RESULT:
+                    got_id, ok, value = payload
+                    if got_id != call_id:
+                        continue  # the answer to an earlier call that timed out
+                    if ok:
+                        return value
+                    raise RuntimeError(f"collective_rpc({name}) failed on rank {w.rank}:\n{value}")
+                if kind == FATAL:
+                    self._fail_with(
+                        f"tensor-parallel rank {w.rank} (pid {w.pid}) failed:\n{payload}"
+                    )
+            elif ready:
+                w.process.join(0)
+                self._fail_with(
+                    f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
+                    f"({_exit_status(w.process)}) during collective_rpc({name})"
+                )
+            else:
+                raise TimeoutError(
+                    f"collective_rpc({name}) got no answer from rank {w.rank} within "
+                    f"timeout={timeout} s"
+                )
+
+    # ---- shutdown ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"{self._dead_reason}\nThe engine is stopped; build a new LLM.")
+        super()._check_open()
+
+    def shutdown(self) -> None:
+        """Stop every worker process (terminating any that does not exit in time) and free
+        rank 0's model and KV cache. Idempotent."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        if self._watch_stop is not None:
+            self._watch_stop.send(None)
+        stop = pickle.dumps((STOP, None))
+        for w in self._workers:
+            try:
+                w.conn.send_bytes(stop)
+            except OSError:
+                pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for w in self._workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self._workers:
+            if w.process.is_alive():
+                w.process.terminate()
+                w.process.join(2.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+        runner = getattr(self, "driver_worker", None)
+        if runner is not None:
+            _release(runner.model_runner)
+        self._tp = None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [w.pid for w in self._workers]
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor for a generative model's configuration."""
+    if config.parallel.tensor_parallel_size == 1:
+        from .model_runner import ModelRunner
+
+        return Executor(ModelRunner(config))
+    return MultiprocExecutor(config)
+
+
+def _release(runner: Any) -> None:
+    """Drop the runner's device tensors so their memory returns to the device."""
+    if hasattr(runner, "kv_caches"):
+        runner.kv_caches = []
+    if getattr(runner, "model", None) is not None:
+        runner.model = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _exit_status(process: Any) -> str:
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _name(method: str | Callable) -> str:
+    return repr(method) if isinstance(method, str) else getattr(method, "__name__", repr(method))

@@ -1,0 +1,91 @@
+"""The tensor-parallel process group of one engine: rendezvous, all-reduce, all-gather.
+
+Each engine builds its own group from its own TCP store (the driver hosts it on a free
+port) instead of `torch.distributed.init_process_group`, so that several engines, or a
+user's own default group, can live in one process. NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TPGroup:
+    """One rank's view of the tensor-parallel group.
+
+    Layers call `all_reduce` / `all_gather` on it; with `world_size == 1` models are built
+    from plain layers and never call it.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    process_group: Any = None
+    """The c10d backend object (`ProcessGroupGloo` / `ProcessGroupNCCL`)."""
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns `x`."""
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., n]` on every rank → `[..., world_size * n]`, rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.process_group)
+        return torch.cat(parts, dim=-1)
+
+    def abort(self) -> None:
+        """Best effort: make collectives blocked on a dead peer return with an error (NCCL
+        only; gloo notices closed connections by itself)."""
+        abort = getattr(self.process_group, "abort", None) or getattr(
+            self.process_group, "_abort", None
+        )
+        if callable(abort) and self.backend == "nccl":
+            abort()
+
+
+def create_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, hosted by the driver (rank 0) on a free local port."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def connect_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def create_tp_group(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> TPGroup:
+    """Join the group (blocks until every rank has joined, or `timeout_s`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return TPGroup(rank, world_size, device, pg)

@@ -1,0 +1,151 @@
+"""A worker: one tensor-parallel rank's model runner, and the loop of a worker process.
+
+`collective_rpc` reaches `Worker` objects: a method name is looked up on the worker, a
+callable is called with the worker as its first argument. Rank 0's worker lives in the
+driver process; ranks 1..N-1 each run `run_worker_process` in a spawned process, which
+builds its runner over its shard, then serves messages from the driver in order:
+
+- `STEP` (`StepInputs`): run the step's forward and LM-head calls (no reply; a failure is
+  reported as `FATAL` and ends the process, which also breaks rank 0's collectives);
+- `RPC` (call id, method, args, kwargs): reply `RESULT` (call id, ok, value or traceback);
+- `STOP`: exit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STEP, RPC, STOP = "step", "rpc", "stop"
+STARTED, READY, RESULT, FATAL = "started", "ready", "result", "fatal"
+
+
+class Worker:
+    """One rank: its model runner and the methods `collective_rpc` offers by name.
+
+    Attributes:
+        model_runner: The rank's `ModelRunner` (or `PoolingRunner` for pooling models).
+        rank: Tensor-parallel rank (0 is the driver process).
+        world_size: Number of ranks.
+        device: The rank's device.
+    """
+
+    def __init__(self, model_runner: Any, rank: int = 0, world_size: int = 1) -> None:
+        self.model_runner = model_runner
+        self.rank = rank
+        self.world_size = world_size
+        self.device = model_runner.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_step_inputs(self, inputs: Any) -> None:
+        self.model_runner.execute_step_inputs(inputs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def call_method(worker: Worker, method: str | Callable, args: tuple, kwargs: dict) -> Any:
+    """`worker.<method>(*args, **kwargs)`, or `method(worker, *args, **kwargs)`."""
+    if isinstance(method, str):
+        target = getattr(worker, method, None)
+        if target is None or not callable(target):
+            raise AttributeError(f"workers have no method {method!r}")
+        return target(*args, **kwargs)
+    return method(worker, *args, **kwargs)
+
+
+def dumps_call(message: Any) -> bytes:
+    """Pickle a message that may hold a callable: cloudpickle (lambdas, closures) when
+    installed, else pickle (module-level functions only)."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass
+class WorkerProcessArgs:
+    """What a spawned rank needs to join the group and build its runner."""
+
+    config: Any  # EngineConfig
+    rank: int
+    world_size: int
+    store_port: int
+    timeout_s: float
+    num_threads: int | None = None
+    """CPU: torch threads for this rank (the ranks share the cores)."""
+
+
+def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
+    """Entry point of a spawned rank (never returns normally: the process exits)."""
+    from .model_runner import ModelRunner
+    from .parallel import connect_store, create_tp_group
+
+    try:
+        conn.send((STARTED, os.getpid()))
+        device = args.config.device.device
+        if device.type == "cuda":
+            device = torch.device("cuda", args.rank)
+            torch.cuda.set_device(device)
+        elif args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        store = connect_store(args.store_port, args.world_size, args.timeout_s)
+        tp = create_tp_group(store, args.rank, args.world_size, device, args.timeout_s)
+        runner = ModelRunner(args.config, tp=tp, device=device)
+        worker = Worker(runner, args.rank, args.world_size)
+        conn.send((READY, None))
+    except BaseException:
+        _send_fatal(conn, traceback.format_exc())
+        os._exit(1)
+    _serve(worker, conn)
+
+
+def _serve(worker: Worker, conn: Any) -> None:
+    while True:
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone
+            os._exit(1)
+        if kind == STEP:
+            try:
+                worker.execute_step_inputs(payload)
+            except BaseException:
+                _send_fatal(conn, traceback.format_exc())
+                os._exit(1)
+        elif kind == RPC:
+            call_id, method, args, kwargs = payload
+            try:
+                reply = (RESULT, (call_id, True, call_method(worker, method, args, kwargs)))
+            except BaseException:
+                reply = (RESULT, (call_id, False, traceback.format_exc()))
+            try:
+                conn.send(reply)
+            except Exception:  # an unpicklable result
+                conn.send((RESULT, (call_id, False, traceback.format_exc())))
+        elif kind == STOP:
+            conn.close()
+            # Skip interpreter teardown: it could wait on communicator destructors.
+            os._exit(0)
+
+
+def _send_fatal(conn: Any, message: str) -> None:
+    try:
+        conn.send((FATAL, message))
+    except Exception:
+        pass

@@ -1,0 +1,205 @@
+"""tensor_parallel_size=2 over gloo on CPU: the same greedy tokens as one rank, collective_rpc
+on every rank, clean shutdown, and a clear error when a rank dies. Every spawned rank costs
+an interpreter start (a few seconds), so engines are shared where the test allows."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from batchlm.engine import LLM, SamplingParams
+from batchlm.engine.errors import EngineDeadError, InvalidParamError
+
+from ..conftest import TINY_COMMON
+
+PROMPTS = ["red green blue", "one two three four five", "the quick brown fox", "hello"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Logprobs of the same tokens: float32 on both sides, only the summation order differs.
+LOGPROB_ATOL = 1e-4
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        import psutil
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_qwen3(tmp_path_factory, tokenizer_files):
+    """A tiny Qwen3 whose vocabulary (49157) does not split evenly over 2 ranks."""
+    import transformers
+
+    config = transformers.Qwen3Config(
+        **{**TINY_COMMON, "vocab_size": 49157, "head_dim": 32, "tie_word_embeddings": False}
+    )
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("qwen3-odd-vocab")
+    model.save_pretrained(out)
+    for f in tokenizer_files:
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def assert_same_greedy_tokens(path: str, two_ranks: LLM) -> None:
+    """Greedy tokens equal and top-3 logprobs close to a one-rank engine's, prompt logprobs
+    (several vocabulary-parallel LM-head calls per step) included."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    one = LLM(path, max_model_len=128).generate(PROMPTS, params, use_tqdm=False)
+    two = two_ranks.generate(PROMPTS, params, use_tqdm=False)
+    assert tokens(two) == tokens(one)
+    for a, b in zip(one, two, strict=True):
+        positions = [*zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)]
+        positions += [*zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
+        for pos_a, pos_b in positions:
+            assert pos_a.keys() == pos_b.keys()
+            for tid, lp in pos_a.items():
+                assert abs(lp.logprob - pos_b[tid].logprob) < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-odd-vocab"])
+def test_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory, request):
+    if family == "qwen3-odd-vocab":
+        path = str(request.getfixturevalue("odd_vocab_qwen3"))
+    else:
+        path = str(tiny_model_factory(family))  # qwen2: q/k/v biases, tied embeddings
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2)
+    assert_same_greedy_tokens(path, llm)
+    pids = llm.llm_engine.executor.worker_pids
+    assert len(pids) == 1 and all(pid_alive(p) for p in pids)
+    del llm
+    gc.collect()
+    assert wait_gone(pids), "a worker outlived its LLM"
+
+
+def test_head_counts_that_do_not_split_are_refused(smollm2_dir, tiny_model_factory):
+    with pytest.raises(InvalidParamError) as e:
+        LLM(str(smollm2_dir), tensor_parallel_size=2)
+    message = str(e.value)
+    assert "num_attention_heads=9" in message and "num_key_value_heads=3" in message
+    assert "[1, 3]" in message  # the sizes that would work
+    with pytest.raises(InvalidParamError, match="num_key_value_heads=1"):
+        LLM(str(tiny_model_factory("llama-tied")), tensor_parallel_size=2)
+    with pytest.raises(InvalidParamError, match="tensor_parallel_size=0"):
+        LLM(str(tiny_model_factory("llama")), tensor_parallel_size=0)
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_llama_two_ranks_give_the_greedy_tokens_of_one(llama_tp2):
+    assert_same_greedy_tokens(llama_tp2.engine_args.model, llama_tp2)
+
+
+def test_collective_rpc_runs_on_every_rank(llama_tp2):
+    assert llama_tp2.collective_rpc(lambda worker: worker.rank) == [0, 1]
+    pids = llama_tp2.collective_rpc("pid")
+    assert pids[0] == os.getpid() and pids[1] == llama_tp2.llm_engine.executor.worker_pids[0]
+    # args / kwargs, and each rank's own shard of the model.
+    shapes = llama_tp2.collective_rpc(
+        lambda w, name, scale=1: (
+            w.rank,
+            scale * w.model.get_parameter(name).shape[0],
+        ),
+        args=("model.layers.0.mlp.gate_up_proj.weight",),
+        kwargs={"scale": 10},
+    )
+    assert shapes == [(0, 1280), (1, 1280)]  # 2 × 128 / 2 rows per rank, times 10
+    # A failing call names its rank; the engine keeps serving.
+    with pytest.raises(RuntimeError, match="rank 1"):
+        llama_tp2.collective_rpc(lambda w: 1 / (1 - w.rank))
+    assert len(llama_tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == 1
+
+
+def test_collective_rpc_timeout(llama_tp2):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1"):
+        llama_tp2.collective_rpc(lambda w: time.sleep(3 * w.rank), timeout=0.5)
+    assert time.monotonic() - start < 2.5
+    # The late answer is dropped; steps queued behind it run once the rank is back.
+    expected = LLM(llama_tp2.engine_args.model, max_model_len=128).generate(
+        PROMPTS, GREEDY, use_tqdm=False
+    )
+    assert tokens(llama_tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(expected)
+    assert llama_tp2.collective_rpc(lambda w: w.rank, timeout=30) == [0, 1]
+
+
+def test_shutdown_ends_every_worker(llama_tp2):
+    pids = llama_tp2.llm_engine.executor.worker_pids
+    assert all(pid_alive(p) for p in pids)
+    llama_tp2.shutdown()
+    assert not any(pid_alive(p) for p in pids)
+    llama_tp2.shutdown()  # idempotent
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llama_tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llama_tp2.collective_rpc("pid")
+
+
+def test_single_rank_collective_rpc_runs_in_process(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128)
+    assert llm.collective_rpc(lambda w: (w.rank, w.world_size)) == [(0, 1)]
+    assert llm.collective_rpc("pid") == [os.getpid()]
+    with pytest.raises(TimeoutError):
+        llm.collective_rpc(lambda w: time.sleep(0.2), timeout=0.05)
+    assert llm.llm_engine._execute_model == llm.llm_engine.runner.execute_model
+
+
+def test_a_killed_worker_raises_a_clear_error(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2)
+    (pid,) = llm.llm_engine.executor.worker_pids
+    scheduler = llm.llm_engine.scheduler
+    schedule = scheduler.schedule
+    steps = []
+
+    def schedule_then_kill():
+        steps.append(1)
+        if len(steps) == 3:  # mid-run: prompts prefilled, decoding
+            os.kill(pid, signal.SIGKILL)
+        return schedule()
+
+    scheduler.schedule = schedule_then_kill
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as e:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert "rank 1" in str(e.value) and "SIGKILL" in str(e.value)
+    assert len(steps) < 10
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert not pid_alive(pid)
