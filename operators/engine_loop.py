@@ -22,12 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from .rows import (
     PendingRows,
     RowContractError,
     RowSpec,
+    check_columns,
     finish_rows,
     process_table,
     submit_rows,
@@ -122,6 +124,12 @@ class EngineLoop:
     def submit(self, table: pa.Table) -> Future:
         """Queues a batch; the future resolves to the batch with its output columns."""
         future: Future = Future()
+        try:
+            # A table that does not fit the task fails alone, without touching the engine.
+            check_columns(self.spec, table.column_names)
+        except RowContractError as e:
+            future.set_exception(e)
+            return future
         if self._closed:
             future.set_exception(RuntimeError("the engine loop is closed"))
         elif self._dead is not None:
@@ -201,6 +209,8 @@ class EngineLoop:
             raise self._fault
 
     def _admit(self, job: _Job) -> None:
+        if job.future.done():  # cancelled by its caller while queued
+            return
         pending = submit_rows(self.llm, self.spec, job.table)
         _forget_enqueued(self.llm)
         ids = [rid for rid in pending.request_ids if rid is not None]
@@ -227,7 +237,7 @@ class EngineLoop:
     def _run_pooling(self, jobs: list[_Job]) -> None:
         # Batches of one schema run as one call; a batch of another schema runs alone.
         groups: list[list[_Job]] = []
-        for job in jobs:
+        for job in (j for j in jobs if not j.future.done()):
             if groups and groups[-1][0].table.schema.equals(job.table.schema):
                 groups[-1].append(job)
             else:
@@ -250,7 +260,8 @@ class EngineLoop:
             return
         self.stats.num_batches += 1
         self.stats.num_rows += table.num_rows
-        job.future.set_result(table)
+        with contextlib.suppress(InvalidStateError):  # its caller may have cancelled it
+            job.future.set_result(table)
 
     # ---- failures -------------------------------------------------------------------------
 
@@ -320,7 +331,7 @@ class EngineLoop:
 def _fail(job: _Job, error: BaseException, cause: BaseException | None = None) -> None:
     if cause is not None and error.__cause__ is None:
         error.__cause__ = cause
-    if not job.future.done():
+    with contextlib.suppress(InvalidStateError):
         job.future.set_exception(error)
 
 

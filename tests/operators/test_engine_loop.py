@@ -15,7 +15,7 @@ import pytest
 
 from batchlm.engine.errors import InvalidPromptError
 from batchlm.operators.engine_loop import EngineFailedError, EngineLoop
-from batchlm.operators.rows import ModelInfo, RowSpec
+from batchlm.operators.rows import ModelInfo, RowContractError, RowSpec
 
 GEN = RowSpec(task="generate", sampling_params={"max_tokens": 4})
 EMBED = RowSpec(task="embed")
@@ -245,3 +245,26 @@ def test_close_finishes_queued_batches_and_refuses_new_ones():
     assert all(f.done() and f.exception() is None for f in futures)
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(_batch([9], words=1)).result(timeout=1)
+
+
+def test_a_table_without_the_task_columns_fails_alone_without_touching_the_engine():
+    loop = EngineLoop(Builder(), GEN, info=INFO)
+    with pytest.raises(RowContractError, match=r"needs column\(s\) \['prompt'\]"):
+        loop.submit(pa.table({"question": ["hi"]})).result(timeout=10)
+    _check_generated(loop.submit(_batch([1], words=2)).result(timeout=10))
+    loop.close()
+    assert loop.stats.num_engine_failures == 0 and loop.stats.num_engine_builds == 1
+
+
+def test_a_batch_cancelled_by_its_caller_does_not_break_the_engine():
+    loop = EngineLoop(Builder(step_s=0.005), GEN, info=INFO)
+    try:
+        running = loop.submit(_batch([0], words=20))
+        time.sleep(0.02)
+        cancelled = loop.submit(_batch([1], words=3))
+        cancelled.cancel()
+        _check_generated(running.result(timeout=10))
+        _check_generated(loop.submit(_batch([2], words=2)).result(timeout=10))
+        assert loop.stats.num_engine_failures == 0
+    finally:
+        loop.close()
