@@ -308,7 +308,7 @@ class MultiprocExecutor(Executor):
                     if kind == FATAL:
                         report = f"tensor-parallel rank {w.rank} (pid {w.pid}) failed:\n{payload}"
                 if report is None and w.process.sentinel in ready:
-                    w.process.join(0)
+                    w.process.join(2.0)  # the sentinel fires just before the exit status is set
                     report = (
                         f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
                         f"({_exit_status(w.process)})"
@@ -396,7 +396,7 @@ class MultiprocExecutor(Executor):
                         f"tensor-parallel rank {w.rank} (pid {w.pid}) failed:\n{payload}"
                     )
             elif ready:
-                w.process.join(0)
+                w.process.join(2.0)  # the sentinel fires just before the exit status is set
                 self._fail_with(
                     f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
                     f"({_exit_status(w.process)}) during collective_rpc({name})"
