@@ -341,3 +341,28 @@ def test_udf_factory_checks_the_task():
 
     with pytest.raises(RowContractError, match="task='generate'"):
         spark_udf.generate_udf(OperatorConfig.create(MINILM, "embed"))
+
+
+class _FakeTaskContext:
+    def __init__(self, gpus: list[str]) -> None:
+        self.gpus = gpus
+
+    def resources(self):
+        from pyspark.resource import ResourceInformation
+
+        return {"gpu": ResourceInformation("gpu", self.gpus)} if self.gpus else {}
+
+
+def test_device_follows_the_tasks_gpu(monkeypatch):
+    config = OperatorConfig.create(MINILM, "embed")
+    monkeypatch.setattr(spark_udf, "_task_context", lambda: _FakeTaskContext([]))
+    assert spark_udf.task_device(config) == "cpu"
+    monkeypatch.setattr(spark_udf, "_task_context", lambda: _FakeTaskContext(["1", "2"]))
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert spark_udf.task_device(config) == "cuda:1"
+    tp = OperatorConfig.create(MINILM, "embed", engine_kwargs={"tensor_parallel_size": 2})
+    assert spark_udf.task_device(tp) == "cuda"
+    pinned = OperatorConfig.create(MINILM, "embed", engine_kwargs={"device": "cpu"})
+    assert spark_udf.task_device(pinned) == "cpu"
+    monkeypatch.setattr(spark_udf, "_task_context", lambda: None)  # outside a Spark task
+    assert spark_udf.task_device(config) == "cpu"
