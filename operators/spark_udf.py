@@ -22,6 +22,9 @@ exactly those of the Ray front end.
   `udf.input_columns` (the row-contract names of the columns it takes, in order).
 - Rows reach the engine in slices of at most `config.batch_size`; Spark's own batches are
   `spark.sql.execution.arrow.maxRecordsPerBatch` rows.
+- Two of these UDFs in one `select` run in two Python workers per task (one Arrow
+  evaluation each), so each loads its own engine: give each UDF its own query, or use
+  `map_in_arrow`.
 
 Example:
     >>> config = OperatorConfig.create(
