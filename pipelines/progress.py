@@ -89,33 +89,42 @@ class JobSummary:
     engine_metrics: dict[str, float] | None = None
 
     def format(self) -> str:
-        rate = self.rows_written / self.seconds if self.seconds > 0 else 0.0
-        lines = [
-            f"output        {self.output_path}",
-            f"shards        {self.num_shards_written} written, {self.num_shards_skipped} skipped "
-            f"(already written), {self.num_shards} in the job",
-            f"rows written  {self.rows_written} ({self.rows_failed} failed: non-null `error`)",
-            f"rows in output {self.rows_in_output}",
+        """The end-of-job report: one `label  value` line each."""
+        rows: list[tuple[str, str]] = [
+            ("output", self.output_path),
+            (
+                "shards",
+                f"{self.num_shards_written} written, {self.num_shards_skipped} skipped "
+                f"(already written), {self.num_shards} in the job",
+            ),
+            ("rows written", f"{self.rows_written} ({self.rows_failed} failed: non-null `error`)"),
+            ("rows in output", str(self.rows_in_output)),
         ]
         if self.rows_written:
-            throughput = f"throughput    {rate:.1f} rows/s over {self.seconds:.1f} s"
+            rate = f"{self.rows_written / self.seconds:.1f} rows/s over {self.seconds:.1f} s"
             if self.output_tokens:
-                throughput += f", {self.output_tokens / self.seconds:.1f} generated tok/s"
-            lines.append(throughput)
+                rate += f", {self.output_tokens / self.seconds:.1f} generated tok/s"
+            rows.append(("throughput", rate))
         for name, label in _SUMMARY_METRICS.items():
             if self.engine_metrics and name in self.engine_metrics:
-                lines.append(f"{label:<13} {self.engine_metrics[name]:.0f}")
-        lines.append(
-            'look at it    python3 -c "import pyarrow.parquet as pq; '
-            f"print(pq.read_table('{self.output_path}').to_pandas())\""
+                rows.append((label, f"{self.engine_metrics[name]:.0f}"))
+        read = f"t = pq.read_table({self.output_path!r})"
+        rows.append(
+            (
+                "look at it",
+                f'python3 -c "import pyarrow.parquet as pq; {read}; print(t.to_pandas())"',
+            )
         )
         if self.rows_failed:
-            lines.append(
-                'failed rows   python3 -c "import pyarrow.parquet as pq, pyarrow.compute as pc; '
-                f"t = pq.read_table('{self.output_path}'); "
-                "print(t.filter(pc.is_valid(t['error'])).to_pandas())\""
+            rows.append(
+                (
+                    "failed rows",
+                    'python3 -c "import pyarrow.parquet as pq, pyarrow.compute as pc; '
+                    f"{read}; print(t.filter(pc.is_valid(t['error'])).to_pandas())\"",
+                )
             )
-        return "\n".join(lines)
+        width = max(len(label) for label, _ in rows) + 2
+        return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
 
 
 def metric_values(metrics: list[Any] | None) -> dict[str, float] | None:
