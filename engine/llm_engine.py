@@ -218,7 +218,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self._unscheduled:
             self._record_scheduled(sched_out.scheduled)
-        runner_out = self._execute_model(sched_out)
+        try:
+            runner_out = self._execute_model(sched_out)
+        except BaseException:  # an interrupt or a device error: the step's KV is not there
+            self.scheduler.undo_schedule(sched_out)
+            raise
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:

@@ -97,6 +97,14 @@ class BlockPool:
         # step is just never shared.
         self.cached.setdefault(block_hash, block)
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Forget a block's hash: its KV is not what the hash says (it was never written)."""
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only possible when no block is in use."""
         if len(self.free_queue) != self.num_blocks:
@@ -243,6 +251,20 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[rid] = num_full
+
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Take the request's blocks past its first `num_tokens` tokens out of the prefix cache.
+
+        For a step that failed: the blocks that became full in it were hashed when it was
+        scheduled, but their KV was never (or only partly) written, so no request may share
+        them. Blocks before `num_tokens` were computed by earlier steps and stay cached.
+        """
+        rid = request.request_id
+        first = num_tokens // self.block_size
+        for block in self.req_blocks.get(rid, [])[first:]:
+            self.pool.uncache_block(block)
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid], first)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its last blocks are evicted first."""

@@ -196,6 +196,27 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
         )
 
+    def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Roll back a step whose execution failed, so the engine can go on serving.
+
+        Nothing the step computed is kept: its requests that are still unfinished go back
+        to the front of the waiting queue (in their order) to be recomputed, the blocks
+        that became full in it leave the prefix cache (their KV was never written), and
+        the requests that finished before it are announced again with the next step, so
+        that the runner still drops their state.
+        """
+        self.finished_request_ids |= scheduler_output.finished_request_ids
+        for sched in reversed(scheduler_output.scheduled):
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_cache.uncache_from(request, sched.start_pos)
+            self.running.remove(request)
+            self.kv_cache.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
