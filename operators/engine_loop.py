@@ -192,6 +192,10 @@ class EngineLoop:
             jobs.append(job)
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._dead is not None:  # the engine broke earlier in this round of batches
+            for job in args[0] if args and isinstance(args[0], list) else args:
+                _fail(job, self._dead_error())
+            return
         try:
             self._raise_injected()
             fn(*args)

@@ -94,10 +94,12 @@ class Builder:
 
     def __init__(self, fail_from: int | None = None, **llm_kwargs: float) -> None:
         self.llms: list[FakeLLM] = []
+        self.num_attempts = 0
         self.fail_from = fail_from
         self.llm_kwargs = llm_kwargs
 
     def __call__(self) -> FakeLLM:
+        self.num_attempts += 1
         if self.fail_from is not None and len(self.llms) + 1 >= self.fail_from:
             raise RuntimeError("no device")
         self.llms.append(FakeLLM(**self.llm_kwargs))
@@ -268,3 +270,17 @@ def test_a_batch_cancelled_by_its_caller_does_not_break_the_engine():
         assert loop.stats.num_engine_failures == 0
     finally:
         loop.close()
+
+
+def test_batches_queued_behind_an_engine_that_cannot_be_rebuilt_fail_too():
+    build = Builder(fail_from=2, step_s=0.01)
+    loop = EngineLoop(build, GEN, info=INFO)
+    running = loop.submit(_batch([0], words=50))
+    time.sleep(0.05)
+    loop._inject_failure(RuntimeError("device lost"))
+    queued = [loop.submit(_batch([k], words=2)) for k in (1, 2, 3)]
+    for future in [running, *queued]:
+        with pytest.raises(EngineFailedError, match="could not be rebuilt"):
+            future.result(timeout=10)
+    loop.close()
+    assert build.num_attempts == 2  # no further attempt after the rebuild failed
