@@ -179,7 +179,7 @@ class MultiprocExecutor(Executor):
             raise
         super().__init__(runner)
         self.execute_model = self._execute_model
-        self._store = store  # workers may reconnect while the group lives
+        self._store = store  # NCCL sets up its communicators at the first collective, via the store
         self._start_watchdog()
         logger.info(
             "tensor parallel: %d ranks (%s), worker pids %s",

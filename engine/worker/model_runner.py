@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,8 +28,10 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
-from .parallel import TPGroup
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
+
+if TYPE_CHECKING:
+    from .parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
