@@ -257,6 +257,14 @@ def set_path(data: dict[str, Any], item: str) -> None:
 
 # ---- validation helpers -----------------------------------------------------------------
 
+_REQUIRED = {
+    "input": "a Parquet / JSONL / CSV file, a folder of them or a glob",
+    "output": "the output folder",
+    "task": f"one of {', '.join(TASKS)}",
+    "model": "a model folder, a .gguf file or a bundled model name",
+    "path": "a path",
+}
+
 
 def _build(cls: type, data: Any, where: str) -> Any:
     """`cls(**data)` with unknown keys, missing keys and value types checked."""
@@ -271,17 +279,18 @@ def _build(cls: type, data: Any, where: str) -> Any:
         key = f"{where}.{f.name}" if where else f.name
         if f.name not in data:
             if f.default is MISSING and f.default_factory is MISSING:
-                raise JobSpecError(f"{key} is required ({_first_line(cls, f.name)})")
+                raise JobSpecError(f"{key} is required: {_REQUIRED.get(f.name, 'set it')}")
             continue
         value = data[f.name]
-        if dataclass_type(hints[f.name]) is None:
+        if not _is_dataclass_type(hints[f.name]):
             value = _check_type(value, hints[f.name], key)
         values[f.name] = value
     return cls(**values)
 
 
-def dataclass_type(hint: Any) -> type | None:
-    return hint if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__") else None
+def _is_dataclass_type(hint: Any) -> bool:
+    """Nested specs (`input`, `output`) arrive already built."""
+    return isinstance(hint, type) and hasattr(hint, "__dataclass_fields__")
 
 
 def _check_type(value: Any, hint: Any, key: str) -> Any:
@@ -330,17 +339,6 @@ def _check_keys(data: dict[str, Any], valid: Sequence[str], where: str) -> None:
     raise JobSpecError(
         f"unknown key(s) in {where}: {', '.join(hints)}; valid keys: {', '.join(sorted(valid))}"
     )
-
-
-def _first_line(cls: type, name: str) -> str:
-    doc = {
-        "input": "a file, folder or glob of Parquet / JSONL / CSV",
-        "output": "the output folder",
-        "task": f"one of {', '.join(TASKS)}",
-        "model": "a model folder, .gguf file or bundled model name",
-        "path": "a path",
-    }
-    return doc.get(name, f"a field of {cls.__name__}")
 
 
 def _type_name(value: Any) -> str:
