@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidParamError, InvalidPromptError
+from .inputs import check_text
 
 # Keys a message may carry; anything else is a typo or a format we do not understand.
 _MESSAGE_KEYS = frozenset(
@@ -130,6 +131,9 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
                 f"{where} has {key}={value!r} ({type(value).__name__}); it must be a string"
             )
         out[key] = value
+    for key, value in out.items():
+        if isinstance(value, str):
+            check_text(value, f"{where}, {key}")
     return out
 
 

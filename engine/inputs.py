@@ -26,12 +26,33 @@ class TokensPrompt(TypedDict):
 PromptType = str | TextPrompt | TokensPrompt
 
 
+def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptError) -> None:
+    """Raises `error` when `text` is not valid Unicode for a tokenizer: a lone surrogate
+    (from a JSON escape such as "\\ud800", or bytes decoded with errors="surrogateescape")
+    cannot be encoded as UTF-8. ASCII text returns at once."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise error(
+            f"{where} has a character that is not valid UTF-8: the lone surrogate "
+            f"{text[e.start]!r} at offset {e.start}; clean the text, e.g. "
+            "text.encode('utf-8', 'replace').decode()"
+        ) from None
+
+
 def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[str, Any]]:
     """One dict per prompt with either `prompt` or `prompt_token_ids`.
 
     Raises:
         InvalidPromptError: naming the index of a prompt of the wrong type.
     """
+    if isinstance(prompts, (bytes, bytearray)):
+        raise InvalidPromptError(
+            f"prompts is {type(prompts).__name__} ({bytes(prompts)!r:.40}); decode it to a "
+            "string first (prompts.decode('utf-8'))"
+        )
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if not isinstance(prompts, Sequence):
@@ -42,6 +63,7 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
+            check_text(p, f"prompts[{i}]")
             out.append({"prompt": p})
         elif isinstance(p, dict):
             if "prompt_token_ids" in p:
@@ -58,6 +80,7 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
                     raise InvalidPromptError(
                         f"prompts[{i}]['prompt']={p['prompt']!r} must be a string"
                     )
+                check_text(p["prompt"], f"prompts[{i}]['prompt']")
                 out.append({"prompt": p["prompt"]})
             else:
                 raise InvalidPromptError(

@@ -14,7 +14,7 @@ from .beam_search import BeamSearchOutput, BeamSearchParams
 from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, normalize_prompts
+from .inputs import PromptType, check_text, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
 from .metrics import Metric
@@ -259,6 +259,8 @@ class LLM(PoolingMixin):
                 chat_template_kwargs=chat_template_kwargs,
             )
             text = chat_utils.render_chat_text(tokenizer, conversation, **kwargs)
+            # Tools and template kwargs reach the text too; the tokenizer cannot take surrogates.
+            check_text(text, f"conversation {i} as rendered by the chat template")
             ids = chat_utils.tokenize_chat_text(tokenizer, text)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return prompts

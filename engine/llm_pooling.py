@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, normalize_prompts
+from .inputs import PromptType, check_text, normalize_prompts
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -216,6 +216,12 @@ class PoolingMixin:
         """Where inputs are cut: the explicit request, else sentence-transformers' length."""
         runner = self.llm_engine.pooling_runner
         max_len = self.llm_engine.config.model.max_model_len
+        t = truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+            raise InvalidParamError(
+                f"truncate_prompt_tokens={t!r} must be an integer >= 1, or -1 for the model's "
+                "maximum (None keeps the whole input)"
+            )
         if truncate_prompt_tokens is not None:
             keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             if keep > max_len:
@@ -344,14 +350,23 @@ class PoolingMixin:
 
 def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):
     """Expand score() inputs to two equal-length lists of texts."""
-    left = [data_1] if isinstance(data_1, str) else list(data_1)
-    right = [data_2] if isinstance(data_2, str) else list(data_2)
-    for name, items in (("data_1", left), ("data_2", right)):
+    sides = []
+    for name, data in (("data_1", data_1), ("data_2", data_2)):
+        if isinstance(data, str):
+            data = [data]
+        elif not isinstance(data, Sequence) or isinstance(data, (bytes, bytearray)):
+            raise InvalidPromptError(
+                f"{name} is a {type(data).__name__}; pass a string or a list of strings"
+            )
+        items = list(data)
         if not items:
             raise InvalidPromptError(f"{name} is empty; pass a string or a non-empty list")
         for i, item in enumerate(items):
             if not isinstance(item, str):
                 raise InvalidPromptError(f"{name}[{i}] is a {type(item).__name__}, not a string")
+            check_text(item, f"{name}[{i}]")
+        sides.append(items)
+    left, right = sides
     if len(left) == 1 and len(right) > 1:
         left = left * len(right)
     if len(left) != len(right):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidParamError
+from .inputs import check_text
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -129,7 +130,8 @@ class SamplingParams:
         )
 
     def verify_token_ids(self, vocab_size: int) -> None:
-        """Check that every token id in the params lies in the vocabulary.
+        """Check that every token id in the params lies in the vocabulary, and that
+        `logprobs` / `prompt_logprobs` ask for no more tokens than it has.
 
         Called when the request is added (the vocabulary is not known at construction).
 
@@ -149,6 +151,13 @@ class SamplingParams:
                         f"{name} has token id {token_id}, outside the vocabulary "
                         f"[0, {vocab_size}); use ids below {vocab_size}"
                     )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise InvalidParamError(
+                    f"{name}={value} asks for more tokens than the vocabulary has "
+                    f"({vocab_size}); use at most {vocab_size}"
+                )
 
     def resolve_bad_words(self, tokenizer: Any) -> None:
         """Tokenize `bad_words` into `bad_words_token_ids` (a no-op without bad words).
@@ -218,6 +227,7 @@ class SamplingParams:
                 raise InvalidParamError(
                     f"stop[{i}]={s!r} must be a non-empty string; remove it or pass text"
                 )
+            check_text(s, f"stop[{i}]", InvalidParamError)
         for i, t in enumerate(self.stop_token_ids or []):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidParamError(f"stop_token_ids[{i}]={t!r} must be a token id (int >= 0)")
@@ -267,6 +277,7 @@ class SamplingParams:
                     raise InvalidParamError(
                         f"bad_words[{i}]={w!r} must be a non-empty string; remove it"
                     )
+                check_text(w, f"bad_words[{i}]", InvalidParamError)
 
     def clone(self) -> SamplingParams:
         """A copy that can be changed without touching this one."""
