@@ -297,7 +297,13 @@ def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
 
     from .errors import UnsupportedModelError
 
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(
+            f"{path / 'config.json'} is not valid JSON ({e}); the model folder is damaged: "
+            "copy it again or pass another model"
+        ) from None
     if "auto_map" in raw and raw.get("model_type") not in _known_model_types():
         raise UnsupportedModelError(
             f"{path} declares its own modelling code (auto_map: {sorted(raw['auto_map'])}); "

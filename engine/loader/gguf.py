@@ -208,7 +208,13 @@ def _convert_into(path: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueErrors (bad magic, short data, ...)
+        raise UnsupportedModelError(
+            f"cannot read GGUF file {path}: {str(e).rstrip('.')}. It is truncated, corrupt "
+            "or not a GGUF file; copy it again or pass another model"
+        ) from e
     metadata = _read_metadata(reader, gguf)
     arch = metadata.get("general.architecture")
     spec = _ARCHS.get(arch)
