@@ -82,6 +82,8 @@ class OutputProcessor:
             if state.detokenizer is not None:
                 skip = stopped_by_token and not params.include_stop_str_in_output
                 stop = state.detokenizer.add_token(token_id, skip_text=skip)
+                if stop is None and request.status.is_finished:
+                    stop = state.detokenizer.flush()  # bytes of an unfinished last character
                 if stop is not None:
                     request.stop_reason = stop
                     if not request.status.is_finished:

@@ -25,8 +25,9 @@ class IncrementalDetokenizer:
 
     Each step decodes only a short window: the tokens since the last emitted piece plus a
     few before them, and emits the difference; a piece ending in an incomplete UTF-8
-    sequence (U+FFFD) is held back until the next token completes it. Stop strings are
-    searched only in the region the new piece can affect.
+    sequence (U+FFFD) is held back until the next token completes it, or until `flush` at
+    the end of the request. Stop strings are searched only in the region the new piece can
+    affect.
 
     Args:
         tokenizer: A transformers tokenizer.
@@ -42,6 +43,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.text = ""
+        self.is_stopped = False
+        """A stop string ended the text; nothing is added after it."""
         self.max_stop_len = max((len(s) for s in params.stop_strs), default=0)
 
     def _decode(self, ids: list[int]) -> str:
@@ -62,9 +65,23 @@ class IncrementalDetokenizer:
         if not self.params.detokenize or skip_text:
             return None
         self.ids.append(token_id)
+        return self._emit(hold_incomplete=True)
+
+    def flush(self) -> str | None:
+        """The request ended: add the text of the tokens still held back, whose bytes end
+        in an incomplete character (it decodes as U+FFFD, as in a one-shot decode of the
+        output), so that the text equals that decode. Returns the stop string the added
+        text completed, or None; a no-op once a stop string has ended the text."""
+        if not self.params.detokenize or self.is_stopped or self.read_offset >= len(self.ids):
+            return None
+        return self._emit(hold_incomplete=False)
+
+    def _emit(self, hold_incomplete: bool) -> str | None:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if len(full_text) <= len(prefix_text):
+            return None
+        if hold_incomplete and full_text.endswith("\ufffd"):
             return None
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
@@ -86,4 +103,5 @@ class IncrementalDetokenizer:
         idx, stop = best
         end = idx + len(stop) if self.params.include_stop_str_in_output else idx
         self.text = self.text[:end]
+        self.is_stopped = True
         return stop
