@@ -263,6 +263,10 @@ def _is_int(value: Any) -> bool:
 def _messages_cell(value: Any, column: str) -> list[dict[str, Any]]:
     if value is None:
         raise InvalidPromptError(f"column {column!r} is null in this row")
+    if isinstance(value, _InvalidUtf8):
+        raise InvalidPromptError(
+            f"column {column!r} holds text that is not valid UTF-8: {value.raw!r:.80}"
+        )
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -292,14 +296,23 @@ def _column_values(column: pa.ChunkedArray) -> list[Any]:
     try:
         return column.to_pylist()
     except UnicodeDecodeError:
-        raw = column.cast(pa.large_binary()).to_pylist()
-        out: list[Any] = []
-        for value in raw:
+        pass
+    out: list[Any] = []
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        for value in column.cast(pa.large_binary()).to_pylist():
             try:
                 out.append(None if value is None else value.decode("utf-8"))
             except UnicodeDecodeError:
                 out.append(_InvalidUtf8(value))
         return out
+    # Nested (chat messages as list<struct>), dictionary-encoded, ...: cell by cell.
+    for chunk in column.chunks:
+        for i in range(len(chunk)):
+            try:
+                out.append(chunk[i].as_py())
+            except UnicodeDecodeError as e:
+                out.append(_InvalidUtf8(e.object[max(0, e.start - 20) : e.end + 20]))
+    return out
 
 
 def _row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | None]]:
