@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 the job failed while running; 2 the job cannot start (bad YAML,
 unknown key, bad value, missing input, wrong column, unknown model, output folder holding
-another job's results). Every exit-2 check happens before any model weights load.
+another job's results or not writable). Every exit-2 check happens before any model weights
+load.
 """
 
 from __future__ import annotations

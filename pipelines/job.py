@@ -187,8 +187,10 @@ def _write_shards(
     num_rows: dict[int, int] = {}
     schemas: dict[int, pa.Schema] = {}
     compression = plan.job.output.compression
-    exit_after = _test_exit_after_shards()
+    exit_after = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_SHARDS")
+    exit_after_batches = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_BATCHES")
     num_written = 0
+    num_batches = 0
 
     def commit() -> None:
         nonlocal num_written
@@ -221,7 +223,10 @@ def _write_shards(
                         f"runner {plan.job.runner!r} started shard {batch.index} before "
                         f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
                     )
+                if exit_after_batches is not None and num_batches >= exit_after_batches:
+                    os._exit(3)  # killed with this shard's temporary file open
                 writer.write(batch.table)
+                num_batches += 1
                 bar.update(batch.table)
                 if writer.num_rows >= num_rows[index]:
                     break
@@ -247,10 +252,16 @@ def _known_rows(shards: list[Shard]) -> int | None:
     return sum(s.num_rows or 0 for s in shards)
 
 
-def _test_exit_after_shards() -> int | None:
-    """BATCHLM_TEST_EXIT_AFTER_SHARDS (tests only): after writing this many shards the job
-    process exits at once (`os._exit`), as if killed, so that resuming can be tested."""
-    value = os.environ.get("BATCHLM_TEST_EXIT_AFTER_SHARDS")
+def _test_exit_after(name: str) -> int | None:
+    """Test hooks that make the job process exit at once (`os._exit(3)`), as if killed, so
+    that resuming can be tested:
+
+    - BATCHLM_TEST_EXIT_AFTER_SHARDS=N: after committing N shard files (between shards);
+    - BATCHLM_TEST_EXIT_AFTER_BATCHES=N: when the runner hands over a batch after N
+      batches were written (0: before any row is written; else usually mid-shard, with
+      that shard's temporary file open).
+    """
+    value = os.environ.get(name)
     return int(value) if value else None
 
 

@@ -40,6 +40,11 @@ class OutputConflictError(RuntimeError):
     """The output folder holds something this job must not mix with or overwrite."""
 
 
+class OutputNotWritableError(OutputConflictError):
+    """The output folder cannot be created, locked or written (a read-only place, a path
+    through a regular file, a full disk): the job cannot start there."""
+
+
 def job_manifest(
     config: dict[str, Any],
     config_fingerprint: str,
@@ -80,13 +85,27 @@ class OutputFolder:
             OutputConflictError: another job's output is there, files batchlm did not
                 write are there, or another process holds the lock.
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock()
+        except OSError as e:
+            raise OutputNotWritableError(self._unwritable_message(e)) from None
         try:
             self._check_and_clear(overwrite)
+        except OSError as e:
+            self.close()
+            raise OutputNotWritableError(self._unwritable_message(e)) from None
         except BaseException:
             self.close()
             raise
+
+    def _unwritable_message(self, error: OSError) -> str:
+        where = f" ({error.filename})" if error.filename else ""
+        return (
+            f"cannot write to output folder {str(self.path)!r}: {error.strerror or error}{where}; "
+            "pass a folder this process can create and write (no part of its path may be "
+            "a regular file)"
+        )
 
     def _check_and_clear(self, overwrite: bool) -> None:
         manifest_path = self.path / MANIFEST_NAME
@@ -175,8 +194,10 @@ class OutputFolder:
             os.replace(tmp, self.part_path(name))
             _fsync(self.path)
         finally:
-            writer.close()
-            tmp.unlink(missing_ok=True)
+            try:
+                writer.close()  # may fail too (a full disk): the temporary file goes anyway
+            finally:
+                tmp.unlink(missing_ok=True)
 
 
 class ShardWriter:
@@ -196,9 +217,9 @@ class ShardWriter:
         self.num_rows += table.num_rows
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
 
 def _is_part(name: str) -> bool:
@@ -233,4 +254,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["OutputFolder", "ShardWriter", "OutputConflictError", "job_manifest", "MANIFEST_NAME"]
+__all__ = [
+    "OutputFolder",
+    "ShardWriter",
+    "OutputConflictError",
+    "OutputNotWritableError",
+    "job_manifest",
+    "MANIFEST_NAME",
+]
