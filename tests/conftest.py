@@ -48,15 +48,21 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_files(smollm2_dir: Path) -> list[Path]:
-    """A real BPE tokenizer (SmolLM2's) for the tiny random models."""
+def tokenizer_files(request) -> list[Path]:
+    """A real BPE tokenizer (SmolLM2's) for the tiny random models.
+
+    Where the model package is not installed (a GPU machine), BATCHLM_TEST_TOKENIZER_DIR may
+    name a folder holding SmolLM2's tokenizer files instead.
+    """
     names = (
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
         "chat_template.jinja",
     )
-    return [smollm2_dir / n for n in names if (smollm2_dir / n).exists()]
+    folder = os.environ.get("BATCHLM_TEST_TOKENIZER_DIR")
+    source = Path(folder) if folder else request.getfixturevalue("smollm2_dir")
+    return [source / n for n in names if (source / n).exists()]
 
 
 TINY_COMMON = dict(

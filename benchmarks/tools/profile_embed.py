@@ -50,7 +50,7 @@ def main() -> None:
             print(f"{name}: {time.perf_counter() - t:.2f}s", flush=True)
     prof = cProfile.Profile()
     prof.enable()
-    llm.embed(texts, use_tqdm=False)
+    llm.encode(texts, use_tqdm=False, pooling_task="embed")
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
