@@ -89,10 +89,11 @@ def ray_local():
         object_store_memory=256 * 1024 * 1024,
     )
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
+    progress_bars, ctx.enable_progress_bars = ctx.enable_progress_bars, False
     try:
         yield ray
     finally:
+        ctx.enable_progress_bars = progress_bars
         ray.shutdown()
         for k in set_here:
             os.environ.pop(k, None)
