@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
 from .inputs import PromptType, check_text, normalize_prompts
 from .outputs import (
@@ -317,15 +319,21 @@ class PoolingMixin:
             encoded = _encode_batch(tokenizer, batch, max_len)
             for (i, _), tokens in zip(texts, encoded, strict=True):
                 ids[i] = tokens
-        inputs = []
-        for i, tokens in enumerate(ids):
-            from_user = "prompt_token_ids" in prompt_dicts[i]
-            if from_user and truncate is not None and max_len is not None:
-                tokens = tokens[-max_len:]
-            # Ids the tokenizer produced are in the vocabulary by construction.
-            self._check_pooling_input(i + index_offset, tokens, check_ids=from_user)
-            inputs.append(PoolingInput(tokens))
-        return inputs, params
+        if len(texts) < n:  # token-id prompts: cut and check one by one
+            for i, p in enumerate(prompt_dicts):
+                if "prompt_token_ids" in p:
+                    if truncate is not None and max_len is not None:
+                        ids[i] = ids[i][-max_len:]
+                    self._check_pooling_input(i + index_offset, ids[i])
+        # Ids the tokenizer produced are in the vocabulary by construction; their lengths
+        # are checked at once.
+        lens = np.fromiter(map(len, ids), np.int64, n)
+        model_max = self.llm_engine.config.model.max_model_len
+        bad = np.flatnonzero((lens == 0) | (lens > model_max))
+        if len(bad):
+            i = int(bad[0])
+            self._check_pooling_input(i + index_offset, ids[i], check_ids=False)
+        return [PoolingInput(tokens) for tokens in ids], params
 
     def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:
         max_len = self.llm_engine.config.model.max_model_len

@@ -30,7 +30,7 @@ from ..pooling_params import PoolingParams
 CPU_MAX_TOKENS_PER_FORWARD = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class PoolingInput:
     """One tokenized input."""
 
