@@ -70,37 +70,35 @@ class PoolingRunner:
 
     # ---- batching ---------------------------------------------------------------------
 
-    def _batches(self, inputs: list[PoolingInput]) -> Iterator[list[int]]:
-        """Index groups of similar length under the token and sequence budgets."""
+    def _batches(self, inputs: list[PoolingInput]) -> Iterator[tuple[list[int], np.ndarray]]:
+        """Index groups of similar length under the token and sequence budgets, longest
+        first, with their lengths."""
         budget = self.config.scheduler.max_num_batched_tokens
         if self.device.type == "cpu":
             budget = min(budget, CPU_MAX_TOKENS_PER_FORWARD)
         max_seqs = self.config.scheduler.max_num_seqs
         lens = np.fromiter((len(x.token_ids) for x in inputs), np.int64, len(inputs))
-        order = np.argsort(-lens, kind="stable").tolist()
-        lens_list = lens.tolist()
-        batch: list[int] = []
-        tokens = 0
-        for i in order:
-            n = lens_list[i]
-            if batch and (tokens + n > budget or len(batch) >= max_seqs):
-                yield batch
-                batch, tokens = [], 0
-            batch.append(i)
-            tokens += n
-        if batch:
-            yield batch
+        order = np.argsort(-lens, kind="stable")
+        sorted_lens = lens[order]
+        cum = np.cumsum(sorted_lens)  # tokens of the first k + 1 sorted inputs
+        start = 0
+        while start < len(order):
+            before = cum[start - 1] if start else 0
+            # The longest prefix from `start` within the budget, at least one input.
+            end = int(np.searchsorted(cum, before + budget, side="right"))
+            end = min(max(end, start + 1), start + max_seqs)
+            yield order[start:end].tolist(), sorted_lens[start:end]
+            start = end
 
     @torch.inference_mode()
     def _hidden(
-        self, inputs: list[PoolingInput], batch: list[int]
+        self, inputs: list[PoolingInput], batch: list[int], lens: np.ndarray, has_types: bool
     ) -> tuple[torch.Tensor, VarlenPlan]:
         """Packed forward of one batch: `[T, hidden]` and the plan (cumulative lengths).
 
         On CUDA every index array travels in one pinned buffer and one asynchronous copy, so
         the host can prepare the next batch while this one runs.
         """
-        lens = np.fromiter((len(inputs[i].token_ids) for i in batch), np.int64, len(batch))
         cu = np.zeros(len(batch) + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
         num_tokens = int(cu[-1])
@@ -110,7 +108,7 @@ class PoolingRunner:
         )
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
         types = None
-        if any(inputs[i].token_type_ids is not None for i in batch):
+        if has_types:
             types = np.fromiter(
                 itertools.chain.from_iterable(
                     inputs[i].token_type_ids or [0] * len(inputs[i].token_ids) for i in batch
@@ -138,8 +136,9 @@ class PoolingRunner:
     def _pooled(
         self, inputs: list[PoolingInput], pooling_type: str
     ) -> Iterator[tuple[list[int], torch.Tensor | list[torch.Tensor]]]:
-        for batch in self._batches(inputs):
-            hidden, plan = self._hidden(inputs, batch)
+        has_types = any(x.token_type_ids is not None for x in inputs)
+        for batch, lens in self._batches(inputs):
+            hidden, plan = self._hidden(inputs, batch, lens, has_types)
             yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:

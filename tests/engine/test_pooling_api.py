@@ -226,3 +226,34 @@ def test_chunked_tokenization_gives_the_same_results(minilm, monkeypatch):
     bad = [*texts[:7], {"prompt_token_ids": [101] + [2000] * 600 + [102]}, *texts[7:]]
     with pytest.raises(InvalidPromptError, match=r"prompts\[7\] has 602 tokens"):
         minilm.embed(bad, use_tqdm=False)
+
+
+def test_token_budget_batches_equal_a_greedy_packer():
+    """Batches: inputs sorted longest first (ties in input order), cut greedily where the next
+    would pass the token budget or the sequence cap; every input exactly once."""
+    import random
+    from types import SimpleNamespace
+
+    from batchlm.engine.worker.pooling_runner import PoolingInput, PoolingRunner
+
+    rng = random.Random(0)
+    inputs = [PoolingInput([1] * rng.choice([1, 2, 5, 17, 40, 300])) for _ in range(500)]
+    runner = object.__new__(PoolingRunner)
+    runner.device = torch.device("cpu")
+    for budget, max_seqs in ((256, 1000), (100, 7), (4096, 32)):
+        runner.config = SimpleNamespace(
+            scheduler=SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+        )
+        expected, batch, tokens = [], [], 0
+        for i in sorted(range(len(inputs)), key=lambda i: -len(inputs[i].token_ids)):
+            n = len(inputs[i].token_ids)
+            if batch and (tokens + n > budget or len(batch) >= max_seqs):
+                expected.append(batch)
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += n
+        expected.append(batch)
+        got = list(runner._batches(inputs))
+        assert [b for b, _ in got] == expected
+        for b, lens in got:
+            assert lens.tolist() == [len(inputs[i].token_ids) for i in b]
