@@ -168,7 +168,7 @@ class PoolingRunner:
 
         def finish(batch: list[int], groups: list[list[int]], copy: _HostCopy) -> None:
             for rows, host in zip(groups, copy.wait(), strict=True):
-                vectors = host.tolist() if as_lists else host.unbind(0)
+                vectors = host.numpy().tolist() if as_lists else host.unbind(0)
                 for row, vector in zip(rows, vectors, strict=True):
                     out[batch[row]] = vector
 
