@@ -461,6 +461,8 @@ def create_executor(config: EngineConfig) -> Executor:
 
 def _release(runner: Any) -> None:
     """Drop the runner's device tensors so their memory returns to the device."""
+    if hasattr(runner, "decode_graphs"):
+        runner.decode_graphs = None  # its graphs hold their memory pool and the KV cache
     if hasattr(runner, "kv_caches"):
         runner.kv_caches = []
     if getattr(runner, "model", None) is not None:

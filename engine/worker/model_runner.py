@@ -3,7 +3,12 @@
 It makes no policy decisions: the scheduler says which tokens run; the runner lays them
 out (input ids, positions, slot mapping, block tables), runs the model once, samples the
 requests that reached their last token, and hands token ids back as plain Python values
-(one device → host copy per step).
+(one device → host copy per step, the step's only wait for the device).
+
+The step's inputs go through persistent buffers (`StepBuffers`: pinned host staging,
+non-blocking copies, device tensors that never move). On CUDA with the Triton attention
+backend, decode-only steps replay CUDA graphs captured on those buffers (`DecodeGraphs`)
+unless `enforce_eager`; every other step runs eagerly.
 
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0 (in
 the driver process) lays out each step as `StepInputs` host arrays and hands them to
@@ -28,7 +33,9 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
+from .step_buffers import StepBuffers, StepInputs
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
@@ -40,6 +47,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 # Most logits elements (rows × vocab) materialised at once when scoring prompt tokens.
 PROMPT_LOGITS_ELEMENTS = 1 << 24
+
+# Device memory kept out of the KV cache for CUDA graphs, on top of their estimated
+# activations (graph bookkeeping, the decode kernel's split buffers).
+CUDA_GRAPH_EXTRA_BYTES = 256 << 20
 
 
 @dataclass
@@ -79,22 +90,6 @@ class ModelRunnerOutput:
     sampling_masks: dict[str, list[int]] = field(default_factory=dict)
     """Request id → sorted ids of the tokens that survived filtering, when the runner's
     `return_sampling_mask` is on."""
-
-
-@dataclass
-class StepInputs:
-    """One step laid out on the host: everything the forward and the LM head need (what
-    rank 0 sends the other tensor-parallel ranks)."""
-
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    query_start_loc: np.ndarray  # [num_seqs + 1] int64
-    seq_lens: np.ndarray  # [num_seqs] int64
-    block_tables: np.ndarray  # [num_seqs, max_blocks] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    sample_rows: np.ndarray  # [num_sampled] int64, rows of the hidden states to sample from
-    prompt_rows: np.ndarray  # [num_prompt_positions] int64, rows scoring prompt tokens
-    prompt_targets: np.ndarray  # [num_prompt_positions] int64, the prompt tokens they score
 
 
 @dataclass
@@ -153,6 +148,21 @@ class ModelRunner:
         self.step_listener: Callable[[StepInputs], None] | None = None
         """Rank 0 with tensor parallelism: receives each step's inputs before the forward
         (and sends them to the other ranks)."""
+        sched = config.scheduler
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.buffers = StepBuffers(
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.max_blocks_per_seq, self.device
+        )
+        self.use_cuda_graphs = (
+            self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and not config.device.enforce_eager
+            # Each rank would capture its own graphs with the NCCL collectives inside, and
+            # the ranks' replays would have to pair up; tensor-parallel steps stay eager.
+            and (tp is None or tp.world_size == 1)
+        )
+        """Capture decode steps in CUDA graphs once the KV cache is allocated."""
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -180,6 +190,7 @@ class ModelRunner:
         """Run a forward at the full token budget, then give the KV cache what is left."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
         num_tokens = min(
             self.config.scheduler.max_num_batched_tokens,
             self.config.scheduler.max_num_seqs * self.config.model.max_model_len,
@@ -190,14 +201,28 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
-        num_blocks = int(budget // self.block_bytes)
+        graph_reserve = self._cuda_graph_reserve(peak - weights, num_tokens)
+        num_blocks = int((budget - graph_reserve) // self.block_bytes)
         logger.info(
-            "KV cache: %d blocks (%.2f GiB); peak activations + weights %.2f GiB",
+            "KV cache: %d blocks (%.2f GiB); peak activations + weights %.2f GiB; "
+            "kept for CUDA graphs %.2f GiB",
             num_blocks,
             num_blocks * self.block_bytes / 2**30,
             peak / 2**30,
+            graph_reserve / 2**30,
         )
         return num_blocks
+
+    def _cuda_graph_reserve(self, activation_bytes: int, num_tokens: int) -> int:
+        """Memory the decode graphs will hold: their largest batch's share of the profiled
+        activations, twice over (the graph pool is separate from the eager steps' memory),
+        plus a fixed margin."""
+        if not self.use_cuda_graphs:
+            return 0
+        sched = self.config.scheduler
+        max_size = graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)[-1]
+        share = max(activation_bytes, 0) * min(1.0, max_size / max(num_tokens, 1))
+        return int(2 * share) + CUDA_GRAPH_EXTRA_BYTES
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """A prefill of `num_tokens` tokens with no cache, for profiling: sequences of at most
@@ -209,7 +234,7 @@ class ModelRunner:
         if num_tokens % max_len:
             seq_lens.append(num_tokens % max_len)
         blocks_per_seq = [-(-n // self.block_size) for n in seq_lens]
-        self.initialize_kv_cache(sum(blocks_per_seq))
+        self._allocate_kv_cache(sum(blocks_per_seq))
         params = SamplingParams()
         dummies = []
         first_block = 0
@@ -224,11 +249,41 @@ class ModelRunner:
         self.kv_caches = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode graphs on it (when enabled)."""
+        self._allocate_kv_cache(num_blocks)
+        if self.use_cuda_graphs:
+            self.enable_decode_graphs(capture=True)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        self.decode_graphs = None  # graphs read the old tensors' addresses
+        self.kv_caches = []
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.num_layers)
         ]
+
+    @torch.inference_mode()
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Run decode-only steps on padded static inputs from now on: replaying CUDA graphs
+        captured now (`capture=True`, CUDA), or eagerly (`capture=False`, any device: the
+        same bookkeeping without graphs, for tests). Needs the Triton attention backend and
+        the final KV cache."""
+        if not self.kv_caches:
+            raise RuntimeError("enable_decode_graphs needs the KV cache: initialize it first")
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        sched = self.config.scheduler
+        self.decode_graphs = None
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.buffers,
+            graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens),
+            self.config.model.max_model_len,
+            capture=capture,
+        )
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -251,7 +306,7 @@ class ModelRunner:
         if not len(inputs.sample_rows):
             return self._to_host([], None, prompt_jobs, prompt_result)
         dev = self.device
-        logits = self.model.compute_logits(hidden[_to(inputs.sample_rows, dev)])
+        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
         # logits: [num_sampled, vocab]
         sampled_reqs = [r for r in reqs if r.needs_sample]
         generators = {}
@@ -283,7 +338,7 @@ class ModelRunner:
             for lo, hi in self._prompt_slices(len(inputs.prompt_rows)):
                 self.model.compute_logits(hidden[rows[lo:hi]])
         if len(inputs.sample_rows):
-            self.model.compute_logits(hidden[_to(inputs.sample_rows, dev)])
+            self.model.compute_logits(self._sample_hidden(hidden, inputs))
 
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
@@ -325,25 +380,49 @@ class ModelRunner:
         )
         return inputs, prompt_jobs
 
+    def _sample_hidden(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The hidden states of the sampled rows `[num_sampled, hidden_size]`."""
+        if len(inputs.sample_rows) == len(inputs.input_ids):  # every token: rows in order
+            return hidden
+        return hidden[_to(inputs.sample_rows, self.device)]
+
     def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
-        dev = self.device
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(inputs):
+            return graphs.run(inputs)
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         query_lens = np.diff(qsl)
-        metadata = AttentionMetadata(
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+        num_seqs, width = len(seq_lens), inputs.block_tables.shape[1]
+        if self.buffers.fits(inputs, num_seqs, width):
+            layout = self.buffers.stage(inputs, num_seqs, width)
+            metadata = self.buffers.metadata(layout, max_query_len, max_seq_len)
+            input_ids, positions = self.buffers.token_inputs(layout)
+        else:  # larger than the buffers (never with the scheduler's budgets)
+            metadata = self._fresh_metadata(inputs, max_query_len, max_seq_len)
+            input_ids, positions = (
+                _to(inputs.input_ids, self.device),
+                _to(inputs.positions, self.device),
+            )
+        self.backend.prepare(metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
+
+    def _fresh_metadata(
+        self, inputs: StepInputs, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        dev = self.device
+        qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
+        return AttentionMetadata(
             num_seqs=len(seq_lens),
             num_tokens=len(inputs.input_ids),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             query_start_loc=_to(qsl.astype(np.int32), dev),
             seq_lens=_to(seq_lens.astype(np.int32), dev),
             block_tables=_to(inputs.block_tables.astype(np.int32), dev),
             slot_mapping=_to(inputs.slot_mapping, dev),
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
-        )
-        self.backend.prepare(metadata)
-        return self.model(
-            _to(inputs.input_ids, dev), _to(inputs.positions, dev), self.kv_caches, metadata
         )
 
     # ---- prompt logprobs --------------------------------------------------------------

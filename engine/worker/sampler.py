@@ -11,6 +11,7 @@ any processing, temperature and truncation), as vLLM reports them by default.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,14 +95,19 @@ class SamplingMetadata:
         use_top_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        all_greedy = all(greedy)
+        if all_greedy:  # filled on the device: nothing to copy
+            temperature_t = torch.ones(len(params), dtype=torch.float32, device=device)
+            greedy_t = torch.ones(len(params), dtype=torch.bool, device=device)
+        else:
+            temperature_t = _to_device(temperature, torch.float32, device)
+            greedy_t = _to_device(greedy, torch.bool, device)
+        tensor = functools.partial(_to_device, device=device)
 
         return cls(
-            temperature=tensor(temperature, torch.float32),
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy),
+            temperature=temperature_t,
+            greedy=greedy_t,
+            all_greedy=all_greedy,
             top_k=tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
             if use_top_k
             else None,
@@ -140,9 +146,7 @@ def _build_processing(
         return None
     prompts: Sequence[list[int]] = prompt_token_ids or [[] for _ in params]
     eos_ids: Sequence[int | None] = eos_token_ids or [None] * len(params)
-
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    tensor = functools.partial(_to_device, device=device)
 
     proc = LogitsProcessing()
     pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -213,6 +217,13 @@ def _build_processing(
     return proc
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting: staged in pinned memory on CUDA, so
+    the copy is asynchronous."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def _pad(rows: list[list[int]], pad_id: int) -> list[list[int]]:
     width = max((len(r) for r in rows), default=0) or 1
     return [r + [pad_id] * (width - len(r)) for r in rows]
@@ -263,7 +274,7 @@ def apply_logits_processing(logits: torch.Tensor, proc: LogitsProcessing) -> tor
         sub = logits[proc.allowed_rows].masked_fill_(disallowed, float("-inf"))
         logits.index_copy_(0, proc.allowed_rows, sub)
     if proc.banned_index is not None:
-        logits.index_put_(proc.banned_index, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(proc.banned_index, logits.new_full((), float("-inf")))
     return logits
 
 
@@ -359,7 +370,8 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = -n % 8
     if pad:
         mask = torch.cat([mask, mask.new_zeros((rows, pad))], dim=1)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    # 1, 2, 4, ..., 128, made on the device (no host copy)
+    weights = torch.pow(2, torch.arange(8, device=mask.device)).to(torch.uint8)
     return (mask.view(rows, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 

@@ -1,0 +1,234 @@
+"""The model runner's persistent step inputs: device tensors allocated once, and pinned host
+staging twins they are filled from.
+
+A step's inputs (laid out by the runner as host arrays, `StepInputs`) are written into the
+staging arrays (pinned on CUDA) and copied to the device with non-blocking copies, so a
+step allocates no device memory for its inputs and never waits for a copy. The device tensors keep their
+addresses for the runner's lifetime, which is what CUDA graphs need: a graph captured on
+views of them reads whatever the last step copied there.
+
+A step can be padded to more rows than it has sequences (a decode step replaying a graph
+captured for a larger batch). Each padded row is one token that writes no KV (slot -1),
+attends to a single key (seq len 1, block 0, so attention stays finite), and whose output
+nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..attention.backend import AttentionMetadata
+
+PAD_SLOT = -1
+"""Slot of a padded row's token: the KV write kernels skip negative slots."""
+
+
+@dataclass
+class StepInputs:
+    """One step laid out on the host: everything the forward and the LM head need (what
+    rank 0 sends the other tensor-parallel ranks)."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int64
+    seq_lens: np.ndarray  # [num_seqs] int64
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    sample_rows: np.ndarray  # [num_sampled] int64, rows of the hidden states to sample from
+    prompt_rows: np.ndarray  # [num_prompt_positions] int64, rows scoring prompt tokens
+    prompt_targets: np.ndarray  # [num_prompt_positions] int64, the prompt tokens they score
+
+    @classmethod
+    def empty(cls) -> StepInputs:
+        """A step of no sequences (padded to a batch size, it is all padding)."""
+        none = np.zeros(0, np.int64)
+        return cls(
+            input_ids=none,
+            positions=none,
+            query_start_loc=np.zeros(1, np.int64),
+            seq_lens=none,
+            block_tables=np.zeros((0, 1), np.int64),
+            slot_mapping=none,
+            sample_rows=none,
+            prompt_rows=none,
+            prompt_targets=none,
+        )
+
+
+class StepArrays(NamedTuple):
+    """The step inputs as flat buffers (numpy staging arrays or device tensors)."""
+
+    input_ids: np.ndarray | torch.Tensor  # [max_num_tokens] int64
+    positions: np.ndarray | torch.Tensor  # [max_num_tokens] int64
+    slot_mapping: np.ndarray | torch.Tensor  # [max_num_tokens] int64
+    query_start_loc: np.ndarray | torch.Tensor  # [max_num_seqs + 1] int32
+    seq_lens: np.ndarray | torch.Tensor  # [max_num_seqs] int32
+    block_tables: np.ndarray | torch.Tensor
+    """`[max_num_seqs * max_blocks_per_seq]` int32; a step with `num_rows` rows of `width`
+    blocks uses the first `num_rows * width` entries as a row-major `[num_rows, width]`."""
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How much of the buffers one (possibly padded) step fills."""
+
+    num_tokens: int
+    """Tokens including padded rows (one each)."""
+    num_rows: int
+    """Sequences including padded rows."""
+    table_width: int
+    """Blocks per row of the block table the forward reads."""
+    staged_width: int
+    """Blocks per row written to the staging array (the step's own widest row): only these
+    columns are copied; a wider table keeps stale entries past them, which no kernel reads
+    (attention reads a row's blocks up to its seq len only)."""
+
+
+def fits(inputs: StepInputs, num_rows: int, table_width: int, capacity: StepLayout) -> bool:
+    """Whether `inputs`, padded to `num_rows` rows of `table_width` blocks, fits buffers of
+    `capacity` (its `num_rows * table_width` bounds the block-table entries)."""
+    num_seqs = len(inputs.seq_lens)
+    num_tokens = len(inputs.input_ids) + num_rows - num_seqs
+    return (
+        num_rows >= num_seqs
+        and num_tokens <= capacity.num_tokens
+        and num_rows <= capacity.num_rows
+        and inputs.block_tables.shape[1] <= table_width
+        and num_rows * table_width <= capacity.num_rows * capacity.table_width
+    )
+
+
+def write_step(dst: StepArrays, inputs: StepInputs, num_rows: int, table_width: int) -> StepLayout:
+    """Write `inputs` into the staging arrays `dst`, padded to `num_rows` rows.
+
+    Rows past the step's sequences are padding (see the module docstring). The block
+    tables are staged compact, `[num_rows, staged_width]` with the step's own width (zero
+    past each sequence's blocks and on padded rows). The caller checks `fits` first.
+    """
+    num_seqs = len(inputs.seq_lens)
+    num_real_tokens = len(inputs.input_ids)
+    num_pad = num_rows - num_seqs
+    num_tokens = num_real_tokens + num_pad
+
+    dst.input_ids[:num_real_tokens] = inputs.input_ids
+    dst.input_ids[num_real_tokens:num_tokens] = 0
+    dst.positions[:num_real_tokens] = inputs.positions
+    dst.positions[num_real_tokens:num_tokens] = 0
+    dst.slot_mapping[:num_real_tokens] = inputs.slot_mapping
+    dst.slot_mapping[num_real_tokens:num_tokens] = PAD_SLOT
+
+    dst.query_start_loc[: num_seqs + 1] = inputs.query_start_loc
+    dst.query_start_loc[num_seqs + 1 : num_rows + 1] = np.arange(
+        num_real_tokens + 1, num_tokens + 1
+    )
+    dst.seq_lens[:num_seqs] = inputs.seq_lens
+    dst.seq_lens[num_seqs:num_rows] = 1
+
+    width = inputs.block_tables.shape[1]
+    tables = dst.block_tables[: num_rows * width].reshape(num_rows, width)
+    tables[:num_seqs] = inputs.block_tables
+    tables[num_seqs:] = 0
+    return StepLayout(num_tokens, num_rows, table_width, width)
+
+
+class StepBuffers:
+    """Device tensors for every step input, and the host arrays they are copied from.
+
+    Args:
+        max_num_tokens: Most tokens in one step (padded rows included).
+        max_num_seqs: Most sequences in one step (padded rows included).
+        max_blocks_per_seq: Widest block-table row.
+        device: Where the model runs (on CPU the copies are plain copies, the same code).
+    """
+
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.capacity = StepLayout(
+            max_num_tokens, max_num_seqs, max_blocks_per_seq, max_blocks_per_seq
+        )
+        sizes = StepArrays(
+            (max_num_tokens, torch.int64),
+            (max_num_tokens, torch.int64),
+            (max_num_tokens, torch.int64),
+            (max_num_seqs + 1, torch.int32),
+            (max_num_seqs, torch.int32),
+            (max_num_seqs * max_blocks_per_seq, torch.int32),
+        )
+        is_cuda = device.type == "cuda"
+        host = [torch.zeros(n, dtype=dtype, pin_memory=is_cuda) for n, dtype in sizes]
+        self.host_tensors = StepArrays(*host)
+        self.host = StepArrays(*(t.numpy() for t in host))
+        """numpy views of the staging tensors: where each step is written."""
+        self.tensors = StepArrays(*(torch.zeros_like(t, device=device) for t in host))
+        """The device tensors the forward reads (views of them)."""
+        self._compact_tables = torch.zeros_like(self.tensors.block_tables)
+        """Landing area of compact block tables that are then spread into wider rows."""
+        self._copied: torch.cuda.Event | None = torch.cuda.Event() if is_cuda else None
+        self._copy_pending = False
+
+    def fits(self, inputs: StepInputs, num_rows: int, table_width: int) -> bool:
+        return fits(inputs, num_rows, table_width, self.capacity)
+
+    def stage(self, inputs: StepInputs, num_rows: int, table_width: int) -> StepLayout:
+        """Write `inputs` (padded to `num_rows` rows) and start copying it to the device."""
+        if self._copy_pending:
+            # The last step's copies may still be reading the staging arrays (a rank that
+            # never waits for its device); on rank 0 they are long done.
+            self._copied.synchronize()
+        layout = write_step(self.host, inputs, num_rows, table_width)
+        rows, width = layout.num_rows, layout.staged_width
+        src, dst = self.host_tensors, self.tensors
+        for name, n in (
+            ("input_ids", layout.num_tokens),
+            ("positions", layout.num_tokens),
+            ("slot_mapping", layout.num_tokens),
+            ("query_start_loc", rows + 1),
+            ("seq_lens", rows),
+        ):
+            getattr(dst, name)[:n].copy_(getattr(src, name)[:n], non_blocking=True)
+        staged = src.block_tables[: rows * width]
+        if width == table_width:
+            dst.block_tables[: rows * width].copy_(staged, non_blocking=True)
+        else:
+            # Copy only the step's columns, then spread them into the wide rows on the device.
+            compact = self._compact_tables[: rows * width]
+            compact.copy_(staged, non_blocking=True)
+            wide = dst.block_tables[: rows * table_width].view(rows, table_width)
+            wide[:, :width].copy_(compact.view(rows, width))
+        if self._copied is not None:
+            self._copied.record()
+            self._copy_pending = True
+        return layout
+
+    def metadata(
+        self, layout: StepLayout, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        """Attention metadata over views of the device tensors, for a staged `layout`.
+
+        The host lists are those just written (the torch backend plans from them).
+        """
+        rows, tokens = layout.num_rows, layout.num_tokens
+        t, h = self.tensors, self.host
+        return AttentionMetadata(
+            num_seqs=rows,
+            num_tokens=tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=t.query_start_loc[: rows + 1],
+            seq_lens=t.seq_lens[:rows],
+            block_tables=t.block_tables[: rows * layout.table_width].view(rows, layout.table_width),
+            slot_mapping=t.slot_mapping[:tokens],
+            query_start_loc_host=h.query_start_loc[: rows + 1].tolist(),
+            seq_lens_host=h.seq_lens[:rows].tolist(),
+        )
+
+    def token_inputs(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(input_ids, positions)` device views, `[num_tokens]` each."""
+        n = layout.num_tokens
+        return self.tensors.input_ids[:n], self.tensors.positions[:n]
