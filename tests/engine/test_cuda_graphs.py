@@ -1,0 +1,355 @@
+"""Decode steps on static buffers: the batch-size ladder and padded step layout (pure
+functions), the padded static-buffer path run eagerly (on CPU under Triton's interpreter),
+and on a GPU the same greedy tokens with CUDA graphs as with enforce_eager=True."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The static path needs the Triton attention backend; on CPU it runs interpreted. Set
+    # before any kernel module is imported (the kernel tests' conftest does the same).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from batchlm.engine import LLM, SamplingParams  # noqa: E402
+from batchlm.engine.worker.cuda_graphs import (  # noqa: E402
+    MAX_GRAPH_BATCH_SIZE,
+    choose_graph_size,
+    graph_batch_sizes,
+    is_decode_step,
+)
+from batchlm.engine.worker.step_buffers import (  # noqa: E402
+    PAD_SLOT,
+    StepArrays,
+    StepBuffers,
+    StepInputs,
+    StepLayout,
+    fits,
+    write_step,
+)
+
+LADDER_256 = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+
+
+# ---- the ladder ----------------------------------------------------------------------------
+
+
+def test_ladder_reaches_the_largest_decode_batch():
+    assert graph_batch_sizes(256, 8192) == LADDER_256
+    assert graph_batch_sizes(16, 8192) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(20, 8192) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(1, 8192) == [1]
+    # The token budget bounds a decode batch too.
+    assert graph_batch_sizes(256, 100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    big = graph_batch_sizes(4096, 1 << 20)
+    assert big[-1] == MAX_GRAPH_BATCH_SIZE and big == sorted(set(big))
+    assert big[: len(LADDER_256)] == LADDER_256
+
+
+def test_smallest_graph_that_holds_the_batch():
+    sizes = LADDER_256
+    assert [choose_graph_size(sizes, n) for n in (1, 2, 3, 5, 17, 24, 25, 200, 256)] == [
+        1,
+        2,
+        4,
+        8,
+        24,
+        24,
+        32,
+        224,
+        256,
+    ]
+    assert choose_graph_size(sizes, 257) is None
+
+
+# ---- padded layout -------------------------------------------------------------------------
+
+
+def _decode_step(seq_lens: list[int], block_tables: list[list[int]], block_size: int = 4):
+    """A decode step: one token per sequence, at position seq_len - 1."""
+    n = len(seq_lens)
+    width = max(len(t) for t in block_tables)
+    tables = np.zeros((n, width), np.int64)
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = t
+    positions = np.array(seq_lens, np.int64) - 1
+    slots = tables[np.arange(n), positions // block_size] * block_size + positions % block_size
+    return StepInputs(
+        input_ids=np.arange(100, 100 + n, dtype=np.int64),
+        positions=positions,
+        query_start_loc=np.arange(n + 1, dtype=np.int64),
+        seq_lens=np.array(seq_lens, np.int64),
+        block_tables=tables,
+        slot_mapping=slots,
+        sample_rows=np.arange(n, dtype=np.int64),
+        prompt_rows=np.zeros(0, np.int64),
+        prompt_targets=np.zeros(0, np.int64),
+    )
+
+
+def _arrays(num_tokens: int, num_seqs: int, width: int, fill: int = 77) -> StepArrays:
+    """Staging arrays full of stale values."""
+    return StepArrays(
+        np.full(num_tokens, fill, np.int64),
+        np.full(num_tokens, fill, np.int64),
+        np.full(num_tokens, fill, np.int64),
+        np.full(num_seqs + 1, fill, np.int32),
+        np.full(num_seqs, fill, np.int32),
+        np.full(num_seqs * width, fill, np.int32),
+    )
+
+
+def test_padded_rows_write_no_kv_and_attend_to_one_key():
+    step = _decode_step([5, 9, 2], [[3, 4], [7, 1, 6], [2]])
+    assert is_decode_step(step)
+    dst = _arrays(16, 8, 4)
+    layout = write_step(dst, step, num_rows=8, table_width=4)
+    assert layout == StepLayout(num_tokens=8, num_rows=8, table_width=4, staged_width=3)
+    assert dst.input_ids[:8].tolist() == [100, 101, 102, 0, 0, 0, 0, 0]
+    assert dst.positions[:8].tolist() == [4, 8, 1, 0, 0, 0, 0, 0]
+    assert dst.slot_mapping[:3].tolist() == step.slot_mapping.tolist()
+    assert (dst.slot_mapping[3:8] == PAD_SLOT).all()
+    assert dst.seq_lens[:8].tolist() == [5, 9, 2, 1, 1, 1, 1, 1]
+    assert dst.query_start_loc[:9].tolist() == list(range(9))
+    tables = dst.block_tables[: 8 * 3].reshape(8, 3)  # staged compact: the step's width
+    assert tables[:3].tolist() == [[3, 4, 0], [7, 1, 6], [2, 0, 0]]
+    assert (tables[3:] == 0).all()  # padded rows read block 0, a real block
+    # Past the layout nothing was touched.
+    assert (dst.input_ids[8:] == 77).all() and (dst.seq_lens[8:] == 77).all()
+
+
+def test_unpadded_step_is_written_as_is():
+    step = _decode_step([3, 4], [[1], [2]])
+    dst = _arrays(4, 4, 2)
+    layout = write_step(dst, step, num_rows=2, table_width=1)
+    assert layout == StepLayout(2, 2, 1, 1)
+    assert dst.slot_mapping[:2].tolist() == step.slot_mapping.tolist()
+    assert dst.seq_lens[:2].tolist() == [3, 4]
+    assert dst.block_tables[:2].tolist() == [1, 2]
+
+
+def test_prefill_steps_keep_their_token_layout():
+    # Two sequences with 3 and 1 new tokens (not decode-shaped), written unpadded.
+    step = _decode_step([6, 2], [[5, 6], [8]])
+    step.input_ids = np.array([1, 2, 3, 4], np.int64)
+    step.positions = np.array([3, 4, 5, 1], np.int64)
+    step.query_start_loc = np.array([0, 3, 4], np.int64)
+    step.slot_mapping = np.array([23, 24, 25, 33], np.int64)
+    assert not is_decode_step(step)
+    dst = _arrays(8, 4, 2)
+    layout = write_step(dst, step, num_rows=2, table_width=2)
+    assert layout.num_tokens == 4 and layout.num_rows == 2
+    assert dst.query_start_loc[:3].tolist() == [0, 3, 4]
+    assert dst.slot_mapping[:4].tolist() == [23, 24, 25, 33]
+
+
+def test_fits_checks_every_capacity():
+    capacity = StepLayout(num_tokens=8, num_rows=4, table_width=3, staged_width=3)
+    step = _decode_step([5, 9, 2], [[3, 4], [7, 1, 6], [2]])
+    assert fits(step, 4, 3, capacity)
+    assert not fits(step, 2, 3, capacity)  # fewer rows than sequences
+    assert not fits(step, 5, 3, capacity)  # more rows than the buffers hold
+    assert not fits(step, 4, 2, capacity)  # a row wider than the table
+    # The block tables are one flat buffer: a row wider than the capacity's rows fits while
+    # the entries do.
+    wide = _decode_step([5], [[1, 2, 3, 4]])
+    assert fits(wide, 1, 4, capacity)
+    assert not fits(wide, 4, 4, capacity)
+    long = _decode_step([3, 4, 2], [[3], [7], [2]])
+    long.input_ids = np.zeros(9, np.int64)
+    assert not fits(long, 3, 3, capacity)  # more tokens than the buffers hold
+
+
+def test_staged_step_lands_in_wide_device_rows():
+    buffers = StepBuffers(16, 8, 5, torch.device("cpu"))
+    # A first, wider step leaves stale entries behind.
+    first = _decode_step([17, 13], [[9, 9, 9, 9, 9], [8, 8, 8, 8]])
+    buffers.stage(first, 2, 5)
+    step = _decode_step([5, 9, 2], [[3, 4], [7, 1, 6], [2]])
+    layout = buffers.stage(step, 4, 5)
+    metadata = buffers.metadata(layout, max_query_len=1, max_seq_len=64)
+    tables = metadata.block_tables
+    assert tables.shape == (4, 5) and tables.is_contiguous()
+    assert tables[:, :3].tolist() == [[3, 4, 0], [7, 1, 6], [2, 0, 0], [0, 0, 0]]
+    assert metadata.seq_lens.tolist() == [5, 9, 2, 1]
+    assert metadata.slot_mapping.tolist()[3] == PAD_SLOT
+    assert metadata.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert metadata.seq_lens_host == [5, 9, 2, 1]
+    ids, positions = buffers.token_inputs(layout)
+    assert ids.tolist() == [100, 101, 102, 0] and positions.tolist() == [4, 8, 1, 0]
+    # Every block a sequence reads (up to its length) is its own.
+    for row, (n, own) in enumerate(zip([5, 9, 2], [[3, 4], [7, 1, 6], [2]], strict=True)):
+        assert tables[row, : -(-n // 4)].tolist() == own
+
+
+# ---- the static-buffer path, run eagerly ---------------------------------------------------
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts(num: int, shared: int, seed: int) -> list[dict]:
+    """Token-id prompts sharing a `shared`-token prefix (prefix-cache hits), own tails of
+    different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 49000, (shared,), generator=gen).tolist()
+    return [
+        {"prompt_token_ids": prefix + torch.randint(3, 49000, (2 + 3 * i,), generator=gen).tolist()}
+        for i in range(num)
+    ]
+
+
+def test_static_decode_path_matches_eager_with_preemption(tiny_model_factory):
+    """The padded static-buffer path without capture (what the graphs replay), against the
+    plain path of the same engine, with a KV cache small enough to preempt."""
+    llm = LLM(
+        str(tiny_model_factory("llama")),
+        attention_backend="triton",
+        max_model_len=64,
+        num_gpu_blocks_override=7,
+        max_num_seqs=8,
+        seed=0,
+    )
+    runner = llm.llm_engine.runner
+    assert not runner.use_cuda_graphs and runner.decode_graphs is None
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    prompts = _prompts(5, shared=17, seed=0)
+    expected = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    preemptions = llm.llm_engine.stats().num_preemptions
+    assert preemptions > 0
+
+    runner.enable_decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    assert graphs.sizes == [1, 2, 4, 8] and not graphs.is_captured
+    llm.reset_prefix_cache()
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert graphs.num_replays > 0
+    assert llm.llm_engine.stats().num_preemptions > preemptions
+    assert llm.llm_engine.num_kv_blocks == 7
+    assert llm.llm_engine.kv_cache.pool.num_free_blocks == 7
+
+
+def test_graphs_are_off_on_cpu_and_need_the_triton_backend(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)
+    runner = llm.llm_engine.runner
+    assert not runner.use_cuda_graphs and runner.decode_graphs is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        runner.enable_decode_graphs(capture=True)
+    with pytest.raises(ValueError, match="need the triton attention backend"):
+        runner.enable_decode_graphs(capture=False)
+
+
+# ---- CUDA graphs against eager on a GPU ----------------------------------------------------
+
+
+def _greedy(logprobs: int | None = None, max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+    )
+
+
+def _assert_greedy_close(graph_outs, eager_outs) -> None:
+    """Half precision: the padded batch can pick other GEMM kernels and the decode kernel
+    other splits, so a near-tie may flip. Sequences must agree up to their first difference,
+    where each side's token is among the other's top logprobs."""
+    for g, e in zip(graph_outs, eager_outs, strict=True):
+        g, e = g.outputs[0], e.outputs[0]
+        for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids, strict=True)):
+            if a != b:
+                assert a in e.logprobs[i] and b in g.logprobs[i], (i, g.token_ids, e.token_ids)
+                break
+
+
+def _run_both(path, dtype, prompt_rounds, params, **options):
+    results = {}
+    for eager in (True, False):
+        llm = LLM(str(path), dtype=dtype, enforce_eager=eager, seed=0, **options)
+        runner = llm.llm_engine.runner
+        assert (runner.decode_graphs is None) == eager
+        outs = [llm.generate(p, params, use_tqdm=False) for p in prompt_rounds]
+        results[eager] = (outs, llm.llm_engine.stats(), runner.decode_graphs)
+        del llm
+    return results[True], results[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [
+        ("llama", "float32"),
+        ("llama", "bfloat16"),
+        ("mistral-window", "bfloat16"),
+        ("qwen3", "float32"),
+    ],
+)
+def test_graph_tokens_match_eager(arch, dtype, tiny_model_factory):
+    """3, 5 and 17 requests (padded to 4, 8 and 24 rows), sharing prefixes with the round
+    before (prefix-cache hits), some long enough for split contexts."""
+    rounds = [_prompts(n, shared=40, seed=1) for n in (3, 5, 17)]
+    rounds.append(_prompts(4, shared=150, seed=2))
+    is_float32 = dtype == "float32"
+    params = _greedy(logprobs=None if is_float32 else 5, max_tokens=48)
+    (eager, eager_stats, _), (graph, graph_stats, graphs) = _run_both(
+        tiny_model_factory(arch), dtype, rounds, params, max_num_seqs=32
+    )
+    assert graphs.is_captured and graphs.sizes[-1] == 32
+    assert graphs.num_replays > 0
+    assert graph_stats.prefix_cache_hits > 0
+    for g, e in zip(graph, eager, strict=True):
+        if is_float32:
+            assert _tokens(g) == _tokens(e)
+        else:
+            _assert_greedy_close(g, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_tokens_match_eager_under_preemption(dtype, tiny_model_factory):
+    rounds = [_prompts(17, shared=20, seed=3)]
+    is_float32 = dtype == "float32"
+    params = _greedy(logprobs=None if is_float32 else 5, max_tokens=40)
+    (eager, eager_stats, _), (graph, graph_stats, graphs) = _run_both(
+        tiny_model_factory("llama"),
+        dtype,
+        rounds,
+        params,
+        max_model_len=128,
+        num_gpu_blocks_override=24,
+    )
+    assert eager_stats.num_preemptions > 0 and graph_stats.num_preemptions > 0
+    assert graphs.num_replays > 0
+    if is_float32:
+        assert _tokens(graph[0]) == _tokens(eager[0])
+    else:
+        _assert_greedy_close(graph[0], eager[0])
+
+
+@pytest.mark.gpu
+def test_full_ladder_is_captured_and_large_batches_replay(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = LLM(str(path), dtype="float32", seed=0)  # max_num_seqs=256
+    graphs = llm.llm_engine.runner.decode_graphs
+    assert graphs.sizes == LADDER_256 and sorted(graphs.graphs) == LADDER_256
+    prompts = _prompts(200, shared=8, seed=4)  # padded to 224 rows
+    params = _greedy(max_tokens=6)
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert graphs.num_replays > 0
+    eager = LLM(str(path), dtype="float32", seed=0, enforce_eager=True)
+    assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == got
+
+
+@pytest.mark.gpu
+def test_static_path_without_capture_matches_graphs_on_gpu(tiny_model_factory):
+    """The CPU tests' eager static path and the captured graphs are the same computation."""
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", seed=0, max_num_seqs=16)
+    prompts = _prompts(5, shared=30, seed=5)
+    params = _greedy(max_tokens=16)
+    graphed = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    llm.llm_engine.runner.enable_decode_graphs(capture=False)
+    llm.reset_prefix_cache()
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == graphed
