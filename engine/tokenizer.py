@@ -39,6 +39,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self.prompt_token_ids = prompt_token_ids
+        self.is_context_checked = False
         self.ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
@@ -64,8 +66,24 @@ class IncrementalDetokenizer:
         """
         if not self.params.detokenize or skip_text:
             return None
+        if not self.is_context_checked:
+            self._start_context_at_a_character()
         self.ids.append(token_id)
         return self._emit(hold_incomplete=True)
+
+    def _start_context_at_a_character(self) -> None:
+        """Move the decoding context's start back to a character boundary (at most 3 more
+        prompt tokens: a character has at most 4 bytes). Byte-fallback decoders (Llama 2,
+        Mistral) decode a run of byte tokens all or nothing, so a context that starts inside
+        a character would turn output bytes that continue the run into U+FFFD."""
+        self.is_context_checked = True
+        start = len(self.prompt_token_ids) - self.read_offset
+        for _ in range(3):
+            if start == 0 or not self._decode(self.ids[: self.read_offset]).startswith("\ufffd"):
+                return
+            start -= 1
+            self.ids.insert(0, self.prompt_token_ids[start])
+            self.read_offset += 1
 
     def flush(self) -> str | None:
         """The request ended: add the text of the tokens still held back, whose bytes end
