@@ -6,6 +6,11 @@ group's heads are the rows of one `tl.dot`). Long contexts are cut into `num_spl
 partitions processed in parallel (split-K / flash-decoding); each writes an unnormalised
 partial result with its log-sum-exp, and a second kernel merges the partitions. With one
 split the first kernel writes the output directly.
+
+Partitions are sized from the host's `max_seq_len` by default; with `split_each_seq` each
+sequence cuts its own context into `num_splits` parts instead (read from `seq_lens` on the
+device), so that a launch sized for a bound (a CUDA graph captured for `max_model_len`)
+still spreads short contexts over its programs.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def _decode_kernel(
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2-sum-exp2 of each split
     scale_log2,  # softmax scale * log2(e)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
-    partition_size,  # keys per split, a multiple of BLOCK_N
+    partition_size,  # keys per split, a multiple of BLOCK_N (unused with PER_SEQ_SPLITS)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -70,6 +75,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PER_SEQ_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -78,6 +84,11 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # The query sits at position seq_len - 1; a window keeps keys > seq_len - 1 - window.
     first_key = tl.maximum(seq_len - sliding_window, 0)
+    if PER_SEQ_SPLITS:
+        # This sequence's own context in NUM_SPLITS tile-aligned parts (the last ones may
+        # be empty).
+        per_split = tl.cdiv(seq_len - first_key, NUM_SPLITS)
+        partition_size = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     start = first_key + split * partition_size
     # The last split takes whatever remains, so a sequence longer than the host's
     # max_seq_len (e.g. a replayed CUDA graph) is still attended in full, only less evenly.
@@ -228,6 +239,7 @@ def decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    split_each_seq: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -244,6 +256,9 @@ def decode_attention(
         sliding_window: Attend only to the last `sliding_window` positions.
         num_splits: Context partitions; None picks by occupancy (`choose_num_splits`).
         out: Optional `[num_seqs, num_heads, head_dim]` output buffer.
+        split_each_seq: Cut each sequence's own context into the `num_splits` partitions
+            instead of `max_seq_len`'s (for a `max_seq_len` that is only a bound, e.g. in a
+            CUDA graph replayed for shorter contexts). Nothing else is read from the host.
 
     Returns:
         `[num_seqs, num_heads, head_dim]` in the query's dtype.
@@ -279,7 +294,8 @@ def decode_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     partition_size = cdiv(cdiv(context, num_splits), _BLOCK_N) * _BLOCK_N
-    num_splits = cdiv(context, partition_size)
+    if not split_each_seq:  # else the launch keeps every split for the longest contexts
+        num_splits = cdiv(context, partition_size)
 
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     # float32 or wide heads: halve the key tile to keep the pipelined tiles in shared memory.
@@ -322,6 +338,7 @@ def decode_attention(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        PER_SEQ_SPLITS=split_each_seq,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
     )
     if num_splits > 1:

@@ -31,6 +31,10 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     backend_data: object | None = None
     """Whatever the backend precomputed once per step in `prepare` (masks, gather indices)."""
+    max_seq_len_is_bound: bool = False
+    """`max_seq_len` only bounds the contexts and the host lists are not this step's: static
+    metadata that a CUDA graph replays for every batch it holds. Kernels then size their
+    work from the device tensors alone."""
 
 
 class AttentionBackend(ABC):

@@ -63,6 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 metadata.max_seq_len,
                 sliding_window,
+                split_each_seq=metadata.max_seq_len_is_bound,
             )
         return prefill_attention(
             query,

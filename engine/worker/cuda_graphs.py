@@ -9,9 +9,10 @@ write no KV and are ignored, see `step_buffers`) and replays that graph. Prefill
 steps, and decode batches above the largest size, run eagerly.
 
 Only the Triton attention backend can be captured: its kernels read the step's lengths and
-block tables from device memory. Its decode kernel sizes its context splits from the
-host's `max_seq_len`; graphs are captured with `max_model_len`, and the kernel stays exact
-for any shorter context (splits past a sequence's end are empty).
+block tables from device memory. The decode kernel's launch (its number of context splits)
+is sized for `max_model_len`, and the static metadata says `max_seq_len_is_bound`, so each
+sequence cuts its own context into those splits on the device: short contexts still spread
+over the programs, and any context up to `max_model_len` is exact.
 
 `DecodeGraphs(capture=False)` runs the same padded static-buffer path eagerly: the CPU
 tests exercise the bookkeeping with it.
@@ -128,6 +129,7 @@ class DecodeGraphs:
             # Not read by the Triton backend; kept consistent with a decode step's shape.
             query_start_loc_host=list(range(size + 1)),
             seq_lens_host=[self.max_seq_len] * size,
+            max_seq_len_is_bound=True,
         )
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden_size]
@@ -160,6 +162,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        with torch.cuda.device(self.buffers.device):
+            self._capture_on_device()
+
+    def _capture_on_device(self) -> None:
         device = self.buffers.device
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(device)

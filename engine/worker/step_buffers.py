@@ -202,7 +202,7 @@ class StepBuffers:
             wide = dst.block_tables[: rows * table_width].view(rows, table_width)
             wide[:, :width].copy_(compact.view(rows, width))
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True
         return layout
 

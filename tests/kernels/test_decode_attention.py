@@ -124,3 +124,34 @@ def test_contexts_longer_than_max_seq_len_stay_exact(num_splits, device):
     args = (query, key_cache, value_cache, block_tables, lens, 0.125)
     out = decode_attention(*args, max_seq_len=100, num_splits=num_splits)
     assert_close(out, decode_attention_ref(*args), ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_splits"),
+    [
+        ([1, 3, 130, 200, 77], 5),  # short contexts: several splits each, the last ones empty
+        ([64, 65], 3),
+        gpu_only([4096, 1, 3000, 129], None),  # occupancy from the bound picks the splits
+    ],
+)
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_splits_per_sequence_match_reference(seq_lens, num_splits, sliding_window, dtype, device):
+    """`split_each_seq`: `max_seq_len` is a bound (a CUDA graph's), each sequence splits its
+    own context."""
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, 16, NUM_KV_HEADS, 64, dtype, device
+    )
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(len(seq_lens), NUM_KV_HEADS * 4, 64, generator=gen).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, 0.125)
+    out = decode_attention(
+        *args,
+        max_seq_len=8192,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        split_each_seq=True,
+    )
+    ref = decode_attention_ref(*args, sliding_window=sliding_window)
+    assert_close(out, ref, ATTENTION_TOLERANCE)
