@@ -20,6 +20,7 @@ only rank 0 samples.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -362,14 +363,17 @@ class ModelRunner:
         num_tokens = int(qsl[-1])
 
         input_ids = np.fromiter(
-            (t for r in reqs for t in r.token_ids), np.int64, num_tokens
+            itertools.chain.from_iterable(r.token_ids for r in reqs), np.int64, num_tokens
         )  # [num_tokens]
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens) - qsl[seq_of_token] + starts[seq_of_token]
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((num_seqs, max_blocks), np.int64)
-        for i, r in enumerate(reqs):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
+        num_blocks = np.fromiter((len(r.block_ids) for r in reqs), np.int64, num_seqs)
+        block_ids = np.fromiter(
+            itertools.chain.from_iterable(r.block_ids for r in reqs), np.int64, num_blocks.sum()
+        )
+        block_tables = np.zeros((num_seqs, num_blocks.max()), np.int64)
+        # Row-major boolean assignment: each row's leading entries, in request order.
+        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = block_ids
         slot_mapping = (
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
