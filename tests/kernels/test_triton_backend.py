@@ -112,6 +112,7 @@ def _generate(path, backend: str, rounds: list[list[list[int]]], max_tokens: int
         max_num_batched_tokens=16,  # prompts longer than this are prefilled in chunks
         max_num_seqs=4,
         seed=0,
+        enforce_eager=True,  # every step through the backend (CUDA graphs skip `prepare`)
         **options,
     )
     assert llm.llm_engine.runner.backend.name == backend
