@@ -22,6 +22,22 @@ _DTYPES = {
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """How the decoder's linear layers are quantized (see `loader/quantization.py`)."""
+
+    method: str
+    """`fp8` (e4m3 weights, per-token fp8 activations where the device multiplies fp8) or
+    `int8` (weight-only); both with one scale per output channel."""
+    from_checkpoint: bool = False
+    """The checkpoint holds the quantized weights and their scales (its config.json has a
+    `quantization_config`); otherwise full-precision weights are quantised at load."""
+    checkpoint_method: str | None = None
+    """`quant_method` of the checkpoint's `quantization_config` (`fp8`, `compressed-tensors`)."""
+    ignored_modules: tuple[str, ...] = ()
+    """Checkpoint module names (or `re:` patterns) the checkpoint keeps in full precision."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What model runs and at which precision / length."""
 
@@ -53,6 +69,9 @@ class ModelConfig:
     """`generate` (KV cache, scheduler, sampler) or `pooling` (embed / classify / score)."""
     convert: str = "auto"
     """For pooling: `embed` or `classify` turns a generative checkpoint into that task."""
+    quantization: QuantizationConfig | None = None
+    """Quantized linear layers (`quantization=`, or what the checkpoint declares); None runs
+    every layer in `dtype`."""
 
     @property
     def architecture(self) -> str:

@@ -58,6 +58,7 @@ class EngineArgs:
     return_sampling_mask: bool = False
     runner: str = "auto"
     convert: str = "auto"
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -83,6 +84,7 @@ class EngineArgs:
             logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
         runner_type = self._runner_type(hf_config)
         self._check_tensor_parallel(hf_config, runner_type, device)
+        quantization = self._quantization(hf_config, runner_type, device)
         derived_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
         if getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):
             # Positions start after the padding index.
@@ -115,6 +117,7 @@ class EngineArgs:
                 chat_template=self._chat_template(),
                 runner_type=runner_type,
                 convert=self.convert,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -166,6 +169,22 @@ class EngineArgs:
         if runner == "pooling":
             pooling_task_of(arch, self.convert)  # raises with how to load it otherwise
         return runner
+
+    def _quantization(self, hf_config: Any, runner_type: str, device: torch.device):
+        from .loader.quantization import resolve_quantization
+
+        quantization = resolve_quantization(self.quantization, hf_config, device)
+        if quantization is not None and runner_type != "generate":
+            fix = (
+                "drop quantization="
+                if self.quantization is not None
+                else "load a full-precision checkpoint"
+            )
+            raise InvalidParamError(
+                f"quantization={quantization.method!r} applies to generation models; pooling "
+                f"models (embed / classify / score) run in full precision: {fix}"
+            )
+        return quantization
 
     def _tokenizer_path(self, model_path: Path) -> Path:
         if not self.tokenizer:

@@ -7,6 +7,10 @@ tied LM heads are skipped, and rotary buffers that some checkpoints carry are ig
 Tensor parallelism: a layer built for one rank of several (see `models/layers/linear.py`)
 receives only its part of each checkpoint tensor, read straight from the file (safetensors
 slices), so no rank ever holds the whole model.
+
+Quantization (`loader/quantization.py`): a quantized checkpoint's projections get quantized
+weights and `weight_scale`s before loading; a full-precision one is quantised after loading,
+so each rank quantises only its shard.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..config import QuantizationConfig
 from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
+from .quantization import (
+    SCALE_LEAF,
+    checkpoint_param_name,
+    create_quantized_weights,
+    finish_quantization,
+    make_linear_method,
+    read_scale,
+)
 
 _IGNORED_SUFFIXES = (
     "rotary_emb.inv_freq",
@@ -127,9 +140,11 @@ def load_weights(
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     filled: set[str] = set()
-    for name, tensor in weights:
+    for checkpoint_name, tensor in weights:
+        name = checkpoint_param_name(checkpoint_name)
         if (
-            name.endswith(_IGNORED_SUFFIXES)
+            name is None
+            or name.endswith(_IGNORED_SUFFIXES)
             or (tied and name == "lm_head.weight")
             or (ignored_prefixes and name.startswith(ignored_prefixes))
         ):
@@ -148,7 +163,16 @@ def load_weights(
                 "the checkpoint does not match its config.json architecture"
             )
         dest, rows = _destination(modules[module_path], leaf, shard, param, name)
-        tensor = _read(tensor, rows)
+        if leaf == SCALE_LEAF:  # small: read whole, then this rank's rows
+            tensor = read_scale(_read(tensor, None), rows, dest.shape)
+        else:
+            tensor = _read(tensor, rows)
+        if _is_quantized(tensor.dtype) and tensor.dtype != dest.dtype:
+            raise UnsupportedModelError(
+                f"checkpoint tensor {name!r} is {tensor.dtype}, but config.json declares no "
+                "quantization_config that batchlm reads; add it, or load a full-precision "
+                "checkpoint (with quantization='fp8' / 'int8' to quantise it at load)"
+            )
         if dest.shape != tensor.shape:
             raise UnsupportedModelError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -160,7 +184,7 @@ def load_weights(
     for pname in params:
         module_path, _, leaf = pname.rpartition(".")
         module = modules.get(module_path)
-        if isinstance(module, MergedLinear) and leaf in ("weight", "bias"):
+        if isinstance(module, MergedLinear) and leaf in ("weight", "bias", SCALE_LEAF):
             for i in range(len(module.output_sizes)):
                 if f"{pname}#{i}" not in filled:
                     missing.append(f"{pname}[shard {i}]")
@@ -173,14 +197,20 @@ def load_weights(
         )
 
 
+def _is_quantized(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype not in (torch.uint8, torch.bool)
+
+
 def build_model(
     model_cls: type[nn.Module],
     folder: Path,
     dtype: torch.dtype,
     device: torch.device,
+    quantization: QuantizationConfig | None = None,
     **kwargs,
 ) -> nn.Module:
-    """Instantiate without initialising memory, then load the checkpoint into it."""
+    """Instantiate without initialising memory, then load the checkpoint into it (and
+    quantize its projections when `quantization` says so)."""
     with torch.device("meta"):
         model = model_cls(**kwargs)
     model = model.to_empty(device=device).to(dtype)
@@ -191,7 +221,12 @@ def build_model(
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+    method = make_linear_method(quantization, device, dtype) if quantization else None
+    if method is not None and quantization.from_checkpoint:
+        create_quantized_weights(model, method, quantization)
     with torch.no_grad():
         packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
         load_weights(model, iter_checkpoint(folder), packed)
+        if method is not None:
+            finish_quantization(model, method, quantization)
     return model.eval()

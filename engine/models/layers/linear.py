@@ -10,6 +10,10 @@ embedding and the LM head. Each layer records which part of the checkpoint tenso
 
 With one rank the factories below return the plain layers, so a single-device model runs
 exactly the code it would without tensor parallelism.
+
+Quantization: the decoder's projections are `Linear` layers, whose matmul a quantization
+method (`models/layers/quant.py`) may take over; the embedding and the LM head are other
+classes and always stay in full precision.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ...worker.parallel import TPGroup
+    from .quant import LinearMethod
 
 
 def _divide(total: int, tp_size: int, what: str) -> int:
@@ -30,7 +35,25 @@ def _divide(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """`y = x W^T + b`, where a quantization method, once set, does the matmul (`W` is then
+    stored quantized, with its scales, as the method lays it out)."""
+
+    quant_method: LinearMethod | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out], no bias
+        if self.quant_method is None:
+            return F.linear(x, self.weight)
+        return self.quant_method.apply(self, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x)
+        return out if self.bias is None else out + self.bias
+
+
+class MergedLinear(Linear):
     """One matmul for several projections that read the same input.
 
     With tensor parallelism each projection is split by output rows: this rank holds rows
@@ -67,7 +90,7 @@ class MergedLinear(nn.Linear):
         return tuple(out.split(self.output_sizes, dim=-1))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """`y = x W^T + b` where this rank holds a slice of W's input columns and `x` arrives
     sharded the same way; the partial products are summed over ranks. The bias is whole on
     every rank and added once, after the sum.
@@ -85,7 +108,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] → [n, out]
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -142,11 +165,11 @@ def _is_parallel(tp: TPGroup | None) -> bool:
 
 def row_parallel_linear(
     in_features: int, out_features: int, bias: bool, tp: TPGroup | None
-) -> nn.Linear:
-    """A row-parallel layer, or a plain `nn.Linear` on one rank."""
+) -> Linear:
+    """A row-parallel layer, or a plain `Linear` on one rank."""
     if _is_parallel(tp):
         return RowParallelLinear(in_features, out_features, bias, tp)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup | None) -> nn.Embedding:

@@ -1,0 +1,261 @@
+"""Which quantization a model loads with, and the loader's side of it.
+
+`quantization=` accepts `"fp8"` or `"int8"` (see `models/layers/quant.py`): full-precision
+weights are quantised at load, after tensor-parallel sharding. A checkpoint whose
+config.json has a `quantization_config` is loaded as it is quantized, without being told:
+
+- `quant_method: "fp8"` (transformers' fine-grained fp8 with `weight_block_size: null`, and
+  the older AutoFP8 / vLLM layout): float8_e4m3fn weights with a per-tensor scale,
+  `weight_scale_inv` (transformers) or `weight_scale`;
+- `quant_method: "compressed-tensors"` with 8-bit float weights (`strategy` `tensor` or
+  `channel`, symmetric): float8_e4m3fn weights with `weight_scale` of shape `[1]` or
+  `[out, 1]`.
+
+Per-tensor scales become per-channel ones (the same value on every row of the projection),
+so merged projections (q|k|v, gate|up) keep each part's scale. Static activation scales
+(`input_scale`, `activation_scale`) and KV-cache scales are read past: activations are
+always quantised per token at run time, and the KV cache keeps the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import QuantizationConfig
+from ..errors import InvalidParamError, UnsupportedModelError
+from ..models.layers.linear import MergedLinear
+from ..models.layers.quant import (
+    LINEAR_METHODS,
+    LinearMethod,
+    quantizable_layers,
+    supports_fp8_matmul,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = tuple(LINEAR_METHODS)
+"""Values `quantization=` accepts (besides a quantized checkpoint's own `quant_method`)."""
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+"""`quant_method`s of checkpoints that load without `quantization=`."""
+
+SCALE_LEAF = "weight_scale"
+"""The per-channel scale parameter of a quantized layer."""
+_RENAMED_LEAVES = {"weight_scale_inv": SCALE_LEAF}
+_SKIPPED_LEAVES = ("input_scale", "activation_scale", "k_scale", "v_scale", "kv_scale")
+
+
+def resolve_quantization(
+    requested: str | None, hf_config: Any, device: torch.device
+) -> QuantizationConfig | None:
+    """The quantization a model runs with: the checkpoint's own, else `quantization=`.
+
+    Raises:
+        InvalidParamError: an unknown method, a method the device cannot run, or one that
+            contradicts how the checkpoint is quantized.
+        UnsupportedModelError: the checkpoint is quantized in a way batchlm cannot load.
+    """
+    if requested is not None:
+        if not isinstance(requested, str):
+            raise InvalidParamError(
+                f"quantization={requested!r} must be a string; supported: {_supported_text()}"
+            )
+        if requested not in QUANTIZATION_METHODS and requested not in CHECKPOINT_METHODS:
+            raise InvalidParamError(
+                f"quantization={requested!r} is not supported; supported: {_supported_text()}"
+            )
+    checkpoint = checkpoint_quantization(hf_config)
+    if checkpoint is not None:
+        if requested in (None, checkpoint.method, checkpoint.checkpoint_method):
+            _check_device(checkpoint.method, device)
+            return checkpoint
+        raise InvalidParamError(
+            f"quantization={requested!r}, but the checkpoint is already quantized "
+            f"(quant_method={checkpoint.checkpoint_method!r}, {checkpoint.method} weights); "
+            f"drop quantization= or pass quantization={checkpoint.method!r}"
+        )
+    if requested is None:
+        return None
+    if requested not in QUANTIZATION_METHODS:
+        raise InvalidParamError(
+            f"quantization={requested!r} loads checkpoints quantized that way, but this "
+            f"checkpoint's config.json has no quantization_config; to quantise at load use "
+            f"one of {', '.join(map(repr, QUANTIZATION_METHODS))}"
+        )
+    _check_device(requested, device)
+    return QuantizationConfig(method=requested)
+
+
+def _supported_text() -> str:
+    return (
+        f"{', '.join(map(repr, QUANTIZATION_METHODS))} (quantised at load) or None; "
+        "checkpoints quantized to fp8 (quant_method 'fp8' or 'compressed-tensors') load "
+        "without quantization="
+    )
+
+
+def _check_device(method: str, device: torch.device) -> None:
+    if method == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise InvalidParamError(
+            f"quantization='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
+            "lacks; upgrade torch or use quantization='int8'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidParamError(
+            f"quantization={method!r} runs on 'cpu' or 'cuda', not {device.type!r}; "
+            "use one of those devices or drop quantization="
+        )
+    if method == "fp8" and device.type == "cuda" and not supports_fp8_matmul(device):
+        logger.warning(
+            "quantization='fp8': %s has no fp8 matmul (needs CUDA capability >= 8.9); the "
+            "fp8 weights are dequantised per matmul (less memory, not faster). "
+            "quantization='int8' is the other choice.",
+            torch.cuda.get_device_name(device),
+        )
+
+
+def checkpoint_quantization(hf_config: Any) -> QuantizationConfig | None:
+    """What a checkpoint's `quantization_config` declares, or None when it has none."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise UnsupportedModelError(
+                f"the checkpoint is fp8 with block-wise scales (weight_block_size="
+                f"{qc['weight_block_size']}); batchlm loads fp8 checkpoints with per-tensor or "
+                "per-channel scales. Load the original full-precision checkpoint with "
+                "quantization='fp8' instead"
+            )
+        ignored = list(qc.get("ignored_layers") or []) + list(
+            qc.get("modules_to_not_convert") or []
+        )
+        return QuantizationConfig("fp8", True, "fp8", tuple(ignored))
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+        return QuantizationConfig("fp8", True, method, tuple(qc.get("ignore") or []))
+    raise UnsupportedModelError(
+        f"the checkpoint is quantized with quant_method={method!r}, which batchlm cannot load; "
+        f"it loads {' and '.join(map(repr, CHECKPOINT_METHODS))} fp8 checkpoints, or a "
+        f"full-precision checkpoint quantised at load (quantization={QUANTIZATION_METHODS})"
+    )
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    fmt = qc.get("format")
+    groups = qc.get("config_groups") or {}
+    problems = []
+    if fmt not in (None, "float-quantized", "naive-quantized"):
+        problems.append(f"format={fmt!r}")
+    if not groups:
+        problems.append("no config_groups")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if kind[:2] != ("float", 8) or kind[2] not in ("tensor", "channel"):
+            problems.append(
+                f"{name}: weights type={kind[0]!r} num_bits={kind[1]!r} strategy={kind[2]!r}"
+            )
+        if weights.get("symmetric") is False:
+            problems.append(f"{name}: asymmetric weights")
+    if problems:
+        raise UnsupportedModelError(
+            f"compressed-tensors checkpoint not supported ({'; '.join(problems)}); batchlm "
+            "loads 8-bit float weights with per-tensor or per-channel symmetric scales "
+            "(format 'float-quantized')"
+        )
+
+
+# ---- the model's side ----------------------------------------------------------------
+
+
+def make_linear_method(
+    qc: QuantizationConfig, device: torch.device, dtype: torch.dtype
+) -> LinearMethod:
+    return LINEAR_METHODS[qc.method](device, dtype)
+
+
+def create_quantized_weights(model: nn.Module, method: LinearMethod, qc: QuantizationConfig):
+    """Before a quantized checkpoint is loaded: quantized weights and scales in every
+    projection the checkpoint quantized."""
+    packed = getattr(model, "packed_modules", {})
+    for name, layer in quantizable_layers(model):
+        if not _is_ignored(name, layer, packed, qc.ignored_modules):
+            method.create_weights(layer)
+
+
+def finish_quantization(model: nn.Module, method: LinearMethod, qc: QuantizationConfig):
+    """After loading: quantise full-precision projections (or take the checkpoint's), and
+    hand them to the method."""
+    for _, layer in quantizable_layers(model):
+        if qc.from_checkpoint:
+            if layer.weight.dtype != method.weight_dtype:
+                continue  # a projection the checkpoint keeps in full precision
+        else:
+            method.quantize_weights(layer)
+        method.process_weights(layer)
+
+
+def _is_ignored(
+    name: str, layer: nn.Module, packed: dict[str, list[str]], ignored: tuple[str, ...]
+) -> bool:
+    if not ignored:
+        return False
+    parent, _, leaf = name.rpartition(".")
+    names = [name]
+    if isinstance(layer, MergedLinear) and leaf in packed:
+        names = [f"{parent}.{part}" if parent else part for part in packed[leaf]]
+    hits = [n for n in names if any(_matches(n, pattern) for pattern in ignored)]
+    if hits and len(hits) != len(names):
+        raise UnsupportedModelError(
+            f"the checkpoint quantizes only some of {names} (it ignores {hits}); batchlm runs "
+            "them as one merged projection, which must be all quantized or none"
+        )
+    return bool(hits)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+# ---- the loader's side ---------------------------------------------------------------
+
+
+def checkpoint_param_name(name: str) -> str | None:
+    """The parameter a checkpoint tensor fills (scale names unified), or None for tensors
+    that are read past (static activation and KV-cache scales)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf in _SKIPPED_LEAVES:
+        return None
+    renamed = _RENAMED_LEAVES.get(leaf)
+    return f"{module}.{renamed}" if renamed else name
+
+
+def read_scale(
+    scale: torch.Tensor, rows: tuple[int, int, int] | None, dest_shape: torch.Size
+) -> torch.Tensor:
+    """A checkpoint's weight scale as this rank's `[rows]` per-channel scale.
+
+    Args:
+        scale: The whole checkpoint tensor: per-tensor (`[]` or `[1]`) or per-channel
+            (`[out]` or `[out, 1]`).
+        rows: `(0, start, length)`: this rank's output rows of the projection (None: all).
+        dest_shape: Shape of the destination slice of the layer's scale.
+    """
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(()).expand(dest_shape)
+    scale = scale.reshape(-1)
+    if rows is not None:
+        _, start, length = rows
+        scale = scale[start : start + length]
+    return scale
