@@ -5,6 +5,7 @@ and on a GPU the same greedy tokens with CUDA graphs as with enforce_eager=True.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
+from batchlm.engine.core.scheduler import SchedulerStats  # noqa: E402
 from batchlm.engine.worker.cuda_graphs import (  # noqa: E402
     MAX_GRAPH_BATCH_SIZE,
     choose_graph_size,
@@ -247,73 +249,107 @@ def test_graphs_are_off_on_cpu_and_need_the_triton_backend(tiny_model_factory):
 # ---- CUDA graphs against eager on a GPU ----------------------------------------------------
 
 
-def _greedy(logprobs: int | None = None, max_tokens: int = 24) -> SamplingParams:
-    return SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
-    )
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
 
 
-def _assert_greedy_close(graph_outs, eager_outs) -> None:
-    """Half precision: the padded batch can pick other GEMM kernels and the decode kernel
-    other splits, so a near-tie may flip. Sequences must agree up to their first difference,
-    where each side's token is among the other's top logprobs."""
+# Largest logprob gap between the two tokens where greedy sequences part.
+TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}
+
+
+def _assert_same_greedy(graph_outs, eager_outs, dtype: str) -> None:
+    """Greedy tokens equal, up to near-ties: a padded batch may pick other GEMM kernels and
+    the decode kernel other splits (rounding differences), and tiny random models have top
+    logprobs a few hundredths apart (in bfloat16 most sequences part somewhere). Where two
+    sequences part, each side's token must be among the other's top logprobs, within
+    `TIE_TOLERANCE` of the other's choice; after that the contexts differ and nothing is
+    compared. Wrong inputs (a stale block table, a padded row's KV written) pick tokens far
+    outside the top 5 of a 49k vocabulary."""
+    num_parted = 0
     for g, e in zip(graph_outs, eager_outs, strict=True):
         g, e = g.outputs[0], e.outputs[0]
+        assert len(g.token_ids) == len(e.token_ids)
         for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids, strict=True)):
-            if a != b:
-                assert a in e.logprobs[i] and b in g.logprobs[i], (i, g.token_ids, e.token_ids)
-                break
+            if a == b:
+                continue
+            where = (i, g.token_ids, e.token_ids)
+            assert a in e.logprobs[i] and b in g.logprobs[i], where
+            gap = e.logprobs[i][b].logprob - e.logprobs[i][a].logprob
+            assert 0 <= gap <= TIE_TOLERANCE[dtype], (gap, *where)
+            num_parted += 1
+            break
+    if dtype == "float32":  # rounding differences ~1e-6: a parting is a rare exact tie
+        assert num_parted <= max(1, len(graph_outs) // 4), f"{num_parted} sequences parted"
 
 
-def _run_both(path, dtype, prompt_rounds, params, **options):
-    results = {}
-    for eager in (True, False):
-        llm = LLM(str(path), dtype=dtype, enforce_eager=eager, seed=0, **options)
-        runner = llm.llm_engine.runner
-        assert (runner.decode_graphs is None) == eager
+@dataclass
+class _Run:
+    outputs: list  # per round, the RequestOutputs
+    stats: SchedulerStats
+    graph_sizes: list[int]
+    num_replays: int
+
+
+def _run(path, dtype, prompt_rounds, params, enforce_eager, **options) -> _Run:
+    llm = LLM(str(path), dtype=dtype, enforce_eager=enforce_eager, seed=0, **options)
+    try:
+        graphs = llm.llm_engine.runner.decode_graphs
+        assert (graphs is None) == enforce_eager
+        assert graphs is None or graphs.is_captured
         outs = [llm.generate(p, params, use_tqdm=False) for p in prompt_rounds]
-        results[eager] = (outs, llm.llm_engine.stats(), runner.decode_graphs)
-        del llm
-    return results[True], results[False]
+        sizes = sorted(graphs.graphs) if graphs else []
+        return _Run(outs, llm.llm_engine.stats(), sizes, graphs.num_replays if graphs else 0)
+    finally:
+        llm.shutdown()  # frees the KV cache and the graphs before the next engine
+
+
+def _run_both(path, dtype, prompt_rounds, params, **options) -> tuple[_Run, _Run]:
+    """(eager, graphs)"""
+    return tuple(
+        _run(path, dtype, prompt_rounds, params, eager, **options) for eager in (True, False)
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("arch", "dtype"),
+    ("arch", "dtype", "max_model_len"),
     [
-        ("llama", "float32"),
-        ("llama", "bfloat16"),
-        ("mistral-window", "bfloat16"),
-        ("qwen3", "float32"),
+        ("llama", "float32", None),
+        ("llama", "bfloat16", None),
+        ("mistral-window", "bfloat16", None),  # sliding window
+        ("qwen3", "float32", None),
+        # Rope scaling allows 1024 positions: small batches' graphs split the context.
+        ("llama-linear", "float32", 1024),
+        ("llama-linear", "bfloat16", 1024),
     ],
 )
-def test_graph_tokens_match_eager(arch, dtype, tiny_model_factory):
+def test_graph_tokens_match_eager(arch, dtype, max_model_len, tiny_model_factory):
     """3, 5 and 17 requests (padded to 4, 8 and 24 rows), sharing prefixes with the round
-    before (prefix-cache hits), some long enough for split contexts."""
+    before (prefix-cache hits), then 4 longer ones."""
     rounds = [_prompts(n, shared=40, seed=1) for n in (3, 5, 17)]
     rounds.append(_prompts(4, shared=150, seed=2))
-    is_float32 = dtype == "float32"
-    params = _greedy(logprobs=None if is_float32 else 5, max_tokens=48)
-    (eager, eager_stats, _), (graph, graph_stats, graphs) = _run_both(
-        tiny_model_factory(arch), dtype, rounds, params, max_num_seqs=32
+    params = _greedy(max_tokens=48)
+    eager, graph = _run_both(
+        tiny_model_factory(arch),
+        dtype,
+        rounds,
+        params,
+        max_num_seqs=32,
+        max_model_len=max_model_len,
     )
-    assert graphs.is_captured and graphs.sizes[-1] == 32
-    assert graphs.num_replays > 0
-    assert graph_stats.prefix_cache_hits > 0
-    for g, e in zip(graph, eager, strict=True):
-        if is_float32:
-            assert _tokens(g) == _tokens(e)
-        else:
-            _assert_greedy_close(g, e)
+    assert graph.graph_sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert graph.num_replays > 0
+    assert graph.stats.prefix_cache_hits > 0
+    for g, e in zip(graph.outputs, eager.outputs, strict=True):
+        _assert_same_greedy(g, e, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_tokens_match_eager_under_preemption(dtype, tiny_model_factory):
     rounds = [_prompts(17, shared=20, seed=3)]
-    is_float32 = dtype == "float32"
-    params = _greedy(logprobs=None if is_float32 else 5, max_tokens=40)
-    (eager, eager_stats, _), (graph, graph_stats, graphs) = _run_both(
+    params = _greedy(max_tokens=40)
+    eager, graph = _run_both(
         tiny_model_factory("llama"),
         dtype,
         rounds,
@@ -321,35 +357,33 @@ def test_graph_tokens_match_eager_under_preemption(dtype, tiny_model_factory):
         max_model_len=128,
         num_gpu_blocks_override=24,
     )
-    assert eager_stats.num_preemptions > 0 and graph_stats.num_preemptions > 0
-    assert graphs.num_replays > 0
-    if is_float32:
-        assert _tokens(graph[0]) == _tokens(eager[0])
-    else:
-        _assert_greedy_close(graph[0], eager[0])
+    assert eager.stats.num_preemptions > 0 and graph.stats.num_preemptions > 0
+    assert graph.num_replays > 0
+    _assert_same_greedy(graph.outputs[0], eager.outputs[0], dtype)
 
 
 @pytest.mark.gpu
 def test_full_ladder_is_captured_and_large_batches_replay(tiny_model_factory):
-    path = tiny_model_factory("llama")
-    llm = LLM(str(path), dtype="float32", seed=0)  # max_num_seqs=256
-    graphs = llm.llm_engine.runner.decode_graphs
-    assert graphs.sizes == LADDER_256 and sorted(graphs.graphs) == LADDER_256
-    prompts = _prompts(200, shared=8, seed=4)  # padded to 224 rows
-    params = _greedy(max_tokens=6)
-    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    assert graphs.num_replays > 0
-    eager = LLM(str(path), dtype="float32", seed=0, enforce_eager=True)
-    assert _tokens(eager.generate(prompts, params, use_tqdm=False)) == got
+    """Default settings: max_num_seqs=256, KV cache sized by profiling (graph memory kept
+    out of it)."""
+    prompts = [_prompts(200, shared=8, seed=4)]  # padded to 224 rows
+    eager, graph = _run_both(tiny_model_factory("llama"), "float32", prompts, _greedy(max_tokens=6))
+    assert graph.graph_sizes == LADDER_256
+    assert graph.num_replays > 0
+    _assert_same_greedy(graph.outputs[0], eager.outputs[0], "float32")
 
 
 @pytest.mark.gpu
 def test_static_path_without_capture_matches_graphs_on_gpu(tiny_model_factory):
     """The CPU tests' eager static path and the captured graphs are the same computation."""
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", seed=0, max_num_seqs=16)
-    prompts = _prompts(5, shared=30, seed=5)
-    params = _greedy(max_tokens=16)
-    graphed = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    llm.llm_engine.runner.enable_decode_graphs(capture=False)
-    llm.reset_prefix_cache()
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == graphed
+    try:
+        prompts = _prompts(5, shared=30, seed=5)
+        params = _greedy(max_tokens=16)
+        graphed = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.runner.enable_decode_graphs(capture=False)
+        llm.reset_prefix_cache()
+        _assert_same_greedy(graphed, llm.generate(prompts, params, use_tqdm=False), "float32")
+        assert llm.llm_engine.runner.decode_graphs.num_replays > 0
+    finally:
+        llm.shutdown()
