@@ -134,6 +134,25 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decode step verifies draft tokens with the target model
+    (see `spec_decode/`)."""
+
+    method: str
+    """`ngram` (prompt lookup: the tokens that followed an earlier occurrence of the
+    sequence's last n-gram) or `draft_model` (a smaller model with the same tokenizer)."""
+    num_speculative_tokens: int
+    """Most draft tokens verified per request and step; a step then computes up to this
+    many positions more per request and yields up to this many tokens more."""
+    prompt_lookup_min: int = 1
+    """ngram: shortest n-gram matched."""
+    prompt_lookup_max: int = 1
+    """ngram: longest n-gram matched (tried first)."""
+    draft_model: ModelConfig | None = None
+    """draft_model: the draft, run in the target's dtype with its own KV cache (same blocks)."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
@@ -150,6 +169,8 @@ class EngineConfig:
     None serves nothing. For long jobs scraped by Prometheus."""
     return_sampling_mask: bool = False
     """Return, per generated token, the token ids that survived top-k / top-p / min-p."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding; None decodes one token per request and step."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):

@@ -17,6 +17,7 @@ from .config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     config_torch_dtype,
     resolve_dtype,
 )
@@ -59,6 +60,12 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     quantization: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    spec_method: str | None = None
+    spec_model: str | None = None
+    spec_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -102,6 +109,7 @@ class EngineArgs:
                 "chunked prefill; set enable_chunked_prefill=True or raise max_num_batched_tokens"
             )
         backend = self._attention_backend(device)
+        speculative = self._speculative(runner_type, dtype, max_model_len, device)
         return EngineConfig(
             model=ModelConfig(
                 model=str(self.model),
@@ -141,6 +149,7 @@ class EngineArgs:
             disable_log_stats=self.disable_log_stats,
             metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
+            speculative=speculative,
         )
 
     def _runner_type(self, hf_config: Any) -> str:
@@ -185,6 +194,75 @@ class EngineArgs:
                 f"models (embed / classify / score) run in full precision: {fix}"
             )
         return quantization
+
+    def _speculative(
+        self, runner_type: str, dtype: torch.dtype, max_model_len: int, device: torch.device
+    ) -> SpeculativeConfig | None:
+        from .spec_decode.options import ALIASES, parse_speculative_options
+
+        options = parse_speculative_options(
+            self.speculative_config, {alias: getattr(self, alias) for alias in ALIASES}
+        )
+        if options is None:
+            return None
+        if runner_type != "generate":
+            raise InvalidParamError(
+                "speculative decoding applies to generation; pooling models (embed / classify "
+                "/ score) run one forward per input: drop the speculative options"
+            )
+        if self.return_sampling_mask:
+            raise InvalidParamError(
+                "return_sampling_mask=True is not supported with speculative decoding; drop "
+                "one of the two"
+            )
+        if options.num_speculative_tokens >= max_model_len:
+            raise InvalidParamError(
+                f"num_speculative_tokens={options.num_speculative_tokens} must be below "
+                f"max_model_len={max_model_len}"
+            )
+        draft = None
+        if options.method == "draft_model":
+            if self.tensor_parallel_size > 1:
+                raise InvalidParamError(
+                    "method='draft_model' runs on one device; use tensor_parallel_size=1 or "
+                    "method='ngram'"
+                )
+            draft = self._draft_model_config(options.model, dtype, max_model_len)
+        return SpeculativeConfig(
+            method=options.method,
+            num_speculative_tokens=options.num_speculative_tokens,
+            prompt_lookup_min=options.prompt_lookup_min,
+            prompt_lookup_max=options.prompt_lookup_max,
+            draft_model=draft,
+        )
+
+    def _draft_model_config(self, model: str, dtype: torch.dtype, max_model_len: int):
+        from .errors import UnsupportedModelError
+        from .models.registry import is_generative
+
+        path = resolve_model(model)
+        hf_config = _load_hf_config(path, self.trust_remote_code)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs or not is_generative(archs[0]):
+            raise UnsupportedModelError(
+                f"draft model {model!r} ({archs[0] if archs else 'no architecture'}) cannot "
+                f"generate; supported: {', '.join(_supported())}"
+            )
+        draft_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        if draft_len < max_model_len and not _allows_longer(hf_config):
+            raise InvalidParamError(
+                f"draft model {model!r} handles {draft_len} positions, fewer than "
+                f"max_model_len={max_model_len}; lower max_model_len or use another draft"
+            )
+        return ModelConfig(
+            model=model,
+            path=str(path),
+            tokenizer_path=str(path),
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+        )
 
     def _tokenizer_path(self, model_path: Path) -> Path:
         if not self.tokenizer:

@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING, Any
 from .config import EngineConfig
 from .core.kv_cache import KVCacheManager
 from .core.request import Request, RequestStatus
-from .core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
+from .core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from .errors import InvalidParamError
 from .metrics import EngineMetrics, FinishedRequestStats
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .spec_decode.manager import SpecDecodeManager
 from .tokenizer import load_tokenizer
 from .worker.executor import Executor, create_executor
-from .worker.model_runner import ModelRunner
+from .worker.model_runner import ModelRunner, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from .worker.pooling_runner import PoolingRunner
@@ -84,6 +85,10 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.spec: SpecDecodeManager | None = None
+        """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
+        if config.speculative is not None:
+            self.spec = SpecDecodeManager(config.speculative, max_len)
         self._arrivals = itertools.count()
         self._parents: dict[str, _ParentRequest] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
@@ -215,6 +220,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests that finished in it."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         if self._unscheduled:
             self._record_scheduled(sched_out.scheduled)
@@ -223,6 +230,24 @@ class LLMEngine:
         except BaseException:  # an interrupt or a device error: the step's KV is not there
             self.scheduler.undo_schedule(sched_out)
             raise
+        if self.spec is None:
+            return self._apply_tokens(sched_out, runner_out)
+        # Speculative decoding: the tokens each request gained, one position at a time.
+        views, stats = self.spec.fold(sched_out, runner_out, self.scheduler)
+        if stats is not None and self.metrics is not None:
+            self.metrics.record_spec_decode(
+                stats.num_drafts,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                stats.accepted_per_position,
+            )
+        return [out for view in views for out in self._apply_tokens(sched_out, view)]
+
+    def _apply_tokens(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append one new token per request (`runner_out.sampled`), run the stop checks and
+        the detokenizer; the requests that finished."""
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
         finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:

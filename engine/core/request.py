@@ -77,6 +77,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
         """Chained hash of each full block of `all_token_ids`, filled by the KV cache manager."""
+        self.spec_token_ids: list[int] = []
+        """Draft tokens for the next step to verify (speculative decoding); not part of
+        `all_token_ids` until accepted."""
 
     @property
     def num_tokens(self) -> int:

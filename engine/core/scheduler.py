@@ -40,6 +40,9 @@ class ScheduledRequest:
     """The prompt (read-only; repetition penalty and prompt logprobs read it)."""
     eos_token_id: int | None = None
     """The model's EOS token, banned (with stop_token_ids) while `min_tokens` is not reached."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify (speculative decoding): the tail of `token_ids`, after the
+    request's last token. The step computes their positions too and samples at each."""
 
 
 @dataclass
@@ -129,7 +132,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_pending = request.num_tokens + len(request.spec_token_ids)
+            num_new = min(num_pending - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to do until a token is appended
                 i += 1
                 continue
@@ -184,16 +188,22 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
+        token_ids = request.all_token_ids[start : start + num_new]
+        # Draft tokens that fit the budget; the step's KV for rejected ones is rolled back
+        # (`num_computed_tokens`) once they are verified.
+        spec = request.spec_token_ids[: num_new - len(token_ids)]
+        request.spec_token_ids = []
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids + spec,
             start_pos=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            needs_sample=request.num_computed_tokens == request.num_tokens,
+            needs_sample=request.num_computed_tokens >= request.num_tokens,
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
             eos_token_id=request.eos_token_id,
+            spec_token_ids=spec,
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -219,6 +229,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -255,6 +266,13 @@ class Scheduler:
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    def discard_rejected_drafts(self, request_id: str, num_rejected: int) -> None:
+        """Forget the KV of a step's rejected draft tokens: they count as not computed, so
+        the next step writes over their slots (the blocks stay allocated)."""
+        request = self.requests.get(request_id)
+        if request is not None and num_rejected > 0:
+            request.num_computed_tokens -= num_rejected
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

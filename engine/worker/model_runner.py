@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
+from ..spec_decode.rejection import spec_sample_rows
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
 from .step_buffers import StepBuffers, StepInputs
@@ -92,6 +93,13 @@ class ModelRunnerOutput:
     sampling_masks: dict[str, list[int]] = field(default_factory=dict)
     """Request id → sorted ids of the tokens that survived filtering, when the runner's
     `return_sampling_mask` is on."""
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: request id → every token it gained this step (its accepted
+    draft tokens, then one drawn token), for requests that had draft tokens; `sampled`
+    holds the first."""
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """Logprobs of each token in `spec_tokens` (requests asking for logprobs); `logprobs`
+    holds the first."""
 
 
 @dataclass
@@ -166,6 +174,12 @@ class ModelRunner:
         )
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
+        self.spec = None
+        """Speculative decoding's draft and verification (`spec_decode/runner.py`)."""
+        if config.speculative is not None:
+            from ..spec_decode.runner import SpecDecodeRunner
+
+            self.spec = SpecDecodeRunner(config, self)
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -173,7 +187,8 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block across all layers (keys and values)."""
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        own = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return own + (self.spec.block_bytes if self.spec is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit the memory budget."""
@@ -254,6 +269,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs on it (when enabled)."""
         self._allocate_kv_cache(num_blocks)
+        if self.spec is not None:
+            self.spec.allocate_kv_cache(num_blocks, final=True)
         if not self.use_cuda_graphs:
             return
         try:
@@ -272,6 +289,8 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.num_layers)
         ]
+        if self.spec is not None:
+            self.spec.allocate_kv_cache(num_blocks, final=False)
 
     @torch.inference_mode()
     def enable_decode_graphs(self, capture: bool = True) -> None:
@@ -301,6 +320,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_request_ids:
             self.request_generators.pop(rid, None)
+        if self.spec is not None:
+            self.spec.before_forward(out)
         if out.is_empty:
             return ModelRunnerOutput()
         reqs = out.scheduled
@@ -324,6 +345,10 @@ class ModelRunner:
             gen = self._generator_for(r.request_id, r.sampling_params.seed)
             if gen is not None:
                 generators[row] = gen
+        if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
+            out = self._to_host([], None, prompt_jobs, prompt_result)
+            self.spec.verify(logits, sampled_reqs, generators, out)
+            return out
         meta = SamplingMetadata.build(
             [r.sampling_params for r in sampled_reqs],
             generators,
@@ -387,7 +412,10 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=block_tables,
             slot_mapping=slot_mapping,
-            sample_rows=qsl[1:][sample_seqs] - 1,  # each sampled sequence's last token
+            # Each sampled sequence's last token (and its draft tokens, if any).
+            sample_rows=qsl[1:][sample_seqs] - 1
+            if self.spec is None
+            else spec_sample_rows(reqs, qsl),
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
         )
