@@ -201,7 +201,10 @@ def _prompts(num: int, shared: int, seed: int) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, 49000, (shared,), generator=gen).tolist()
     return [
-        {"prompt_token_ids": prefix + torch.randint(3, 49000, (2 + 3 * i,), generator=gen).tolist()}
+        {
+            "prompt_token_ids": prefix
+            + torch.randint(3, 49000, (2 + 3 * (i % 10),), generator=gen).tolist()
+        }
         for i in range(num)
     ]
 
