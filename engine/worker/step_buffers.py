@@ -3,9 +3,9 @@ staging twins they are filled from.
 
 A step's inputs (laid out by the runner as host arrays, `StepInputs`) are written into the
 staging arrays (pinned on CUDA) and copied to the device with non-blocking copies, so a
-step allocates no device memory for its inputs and never waits for a copy. The device tensors keep their
-addresses for the runner's lifetime, which is what CUDA graphs need: a graph captured on
-views of them reads whatever the last step copied there.
+step allocates no device memory for its inputs and never waits for a copy. The device
+tensors keep their addresses for the runner's lifetime, which is what CUDA graphs need: a
+graph captured on views of them reads whatever the last step copied there.
 
 A step can be padded to more rows than it has sequences (a decode step replaying a graph
 captured for a larger batch). Each padded row is one token that writes no KV (slot -1),
