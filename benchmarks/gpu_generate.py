@@ -13,6 +13,8 @@ W1: Llama-3.1-8B shape, 256 requests × 512 prompt tokens, 256 output tokens, gr
 W2: Qwen2.5-0.5B shape, 256 requests, prompt and output lengths uniform in [100, 1024],
     temperature 0.6; HF continuous batching (`generate_batch`) when `--baseline-w2`.
 W3: Llama-3.1-8B shape, batch 1, 32-token prompt, 256 output tokens; HF `generate`.
+W1-fp8: W1's batch in bf16 against fp8 (both batchlm).
+W3-ngram: batch 1, a repeated passage as prompt, ngram speculation against none (both batchlm).
 W5: Llama-3.1-8B shape, 256 requests sharing a 1,024-token prefix + 64 own tokens, 64 output
     tokens; batchlm with prefix caching on against off.
 
@@ -338,9 +340,99 @@ def w2(args, rec: Recorder, folder: Path) -> None:
         torch.cuda.empty_cache()
 
 
+def w1_fp8(args, rec: Recorder, folder: Path) -> None:
+    """W1's batch in bf16 and with fp8 weights and activations, both batchlm, same run."""
+    prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
+    if not (folder / "config.json").exists():
+        free(build_random_model(LLAMA_8B, folder))
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    results = {}
+    for quantization in (None, "fp8"):
+        llm = make_llm(folder, args, max_num_seqs=256, quantization=quantization)
+        run_batchlm(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+        secs, _ = run_batchlm(llm, prompts, params)
+        results[quantization] = 256 * 256 / secs
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    common = dict(
+        workload="W1-fp8",
+        metric="output_tok_per_s",
+        num_requests=256,
+        prompt_len=512,
+        output_len=256,
+        model="Llama-3.1-8B shape, random weights",
+    )
+    rec.record(system="batchlm-bf16", value=round(results[None], 1), **common)
+    rec.record(
+        system="batchlm",
+        quantization="fp8",
+        value=round(results["fp8"], 1),
+        baseline_value=round(results[None], 1),
+        ratio=round(results["fp8"] / results[None], 3),
+        **common,
+    )
+
+
+def w3_ngram(args, rec: Recorder, folder: Path) -> None:
+    """Batch 1, a prompt made of one 64-token passage repeated four times, 256 output
+    tokens; ngram prompt lookup against no speculation, both batchlm, same run. With random
+    weights the output copies the prompt only where the model happens to; the record
+    carries the acceptance rate that explains the speed-up."""
+    passage = prompts_of([64], LLAMA_8B["vocab_size"], 3)[0]
+    prompts = [passage * 4]
+    if not (folder / "config.json").exists():
+        free(build_random_model(LLAMA_8B, folder))
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    results, accepted = {}, None
+    for spec in (False, True):
+        extra = (
+            dict(
+                spec_method="ngram",
+                spec_tokens=4,
+                prompt_lookup_min=2,
+                prompt_lookup_max=8,
+                disable_log_stats=False,
+            )
+            if spec
+            else {}
+        )
+        llm = make_llm(folder, args, max_num_seqs=16, **extra)
+        run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        results[spec], outs = run_batchlm(llm, prompts, params)
+        if spec:
+            counts = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            drafted = counts.get("batchlm:spec_decode_num_draft_tokens", 0)
+            accepted = counts.get("batchlm:spec_decode_num_accepted_tokens", 0) / max(drafted, 1)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    rec.record(
+        workload="W3-ngram",
+        system="batchlm-no-spec",
+        metric="ms_per_token",
+        value=round(results[False] / 256 * 1e3, 3),
+    )
+    rec.record(
+        workload="W3-ngram",
+        system="batchlm",
+        metric="ms_per_token",
+        value=round(results[True] / 256 * 1e3, 3),
+        baseline_value=round(results[False] / 256 * 1e3, 3),
+        ratio=round(results[False] / results[True], 3),
+        acceptance_rate=round(accepted or 0.0, 3),
+        spec_tokens=4,
+        prompt="64 random tokens repeated 4 times",
+        batch_size=1,
+        output_len=256,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--workload", action="append", choices=["W1", "W2", "W3", "W5"])
+    ap.add_argument(
+        "--workload", action="append", choices=["W1", "W2", "W3", "W5", "W1-fp8", "W3-ngram"]
+    )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -364,6 +456,10 @@ def main() -> None:
             w3(args, rec, llama_dir)
         elif workload == "W5":
             w5(args, rec, llama_dir)
+        elif workload == "W1-fp8":
+            w1_fp8(args, rec, llama_dir)
+        elif workload == "W3-ngram":
+            w3_ngram(args, rec, llama_dir)
         else:
             w2(args, rec, qwen_dir)
         print(json.dumps({"workload": workload, "wall_s": round(time.perf_counter() - start, 1)}))
