@@ -30,6 +30,7 @@ from batchlm.engine.models.layers.quant import (
     Fp8LinearMethod,
     Int8LinearMethod,
     dequantize,
+    quantize_fp8_per_token,
     quantize_per_row,
 )
 
@@ -282,6 +283,15 @@ def test_quantize_per_row_bounds():
         err = (dequantize(q.values, q.scale, torch.float32) - w).abs()
         assert torch.all(err <= max_rel * w.abs().amax(dim=1, keepdim=True) + 1e-12)
         assert torch.all(q.values[3].float() == 0)
+
+
+def test_fp8_activation_quantisation_matches_the_weight_rule():
+    torch.manual_seed(0)
+    x = torch.randn(7, 96, dtype=torch.bfloat16) * 3
+    x[2] = 0.0
+    got, want = quantize_fp8_per_token(x), quantize_per_row(x, FP8_DTYPE)
+    assert torch.equal(got.values.float(), want.values.float())
+    assert torch.equal(got.scale, want.scale)
 
 
 def test_int8_layer_is_the_dequantised_matmul():
