@@ -128,8 +128,8 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, batch_size: int) 
     return total
 
 
-def free(model) -> None:
-    del model
+def release() -> None:
+    """Returns the memory of models and engines the caller has just dropped (`del`)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -184,7 +184,8 @@ def w1(args, rec: Recorder, folder: Path) -> None:
     prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
     hf = build_random_model(LLAMA_8B, folder)
     base_s = hf_generate(hf, prompts, 256, 128) if args.baseline else None
-    free(hf)
+    del hf
+    release()
     llm = make_llm(folder, args, max_num_seqs=256)
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     run_batchlm(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -216,19 +217,18 @@ def w1(args, rec: Recorder, folder: Path) -> None:
             batch_size=128,
         )
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
 
 
-def w3(args, rec: Recorder, folder: Path, hf=None) -> None:
+def w3(args, rec: Recorder, folder: Path) -> None:
     prompts = prompts_of([32], LLAMA_8B["vocab_size"], 0)
     hf = build_random_model(LLAMA_8B, folder)
     base_ms = None
     if args.baseline:
         hf_generate(hf, prompts, 8, 1)
         base_ms = hf_generate(hf, prompts, 256, 1) / 256 * 1e3
-    free(hf)
+    del hf
+    release()
     llm = make_llm(folder, args, max_num_seqs=16)
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -254,9 +254,7 @@ def w3(args, rec: Recorder, folder: Path, hf=None) -> None:
             workload="W3", system="hf-generate", metric="ms_per_token", value=round(base_ms, 3)
         )
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
 
 
 def w5(args, rec: Recorder, folder: Path) -> None:
@@ -264,7 +262,8 @@ def w5(args, rec: Recorder, folder: Path) -> None:
     prefix = prompts_of([1024], vocab, 1)[0]
     prompts = [prefix + own for own in prompts_of([64] * 256, vocab, 2)]
     if not (folder / "config.json").exists():
-        free(build_random_model(LLAMA_8B, folder))
+        build_random_model(LLAMA_8B, folder)
+        release()
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
     results = {}
     for caching in (False, True):
@@ -272,9 +271,7 @@ def w5(args, rec: Recorder, folder: Path) -> None:
         run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
         results[caching], _ = run_batchlm(llm, prompts, params)
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release()
     tps_on, tps_off = 256 * 64 / results[True], 256 * 64 / results[False]
     common = dict(
         workload="W5",
@@ -311,7 +308,8 @@ def w2(args, rec: Recorder, folder: Path) -> None:
         with Timer() as t:
             hf.generate_batch(inputs=prompts, generation_config=gen)
         base = sum(lens_out) / t.seconds  # approximate: fixed max length for every request
-    free(hf)
+    del hf
+    release()
     llm = make_llm(folder, args, max_num_seqs=256)
     params = [
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.6, seed=i)
@@ -335,16 +333,15 @@ def w2(args, rec: Recorder, folder: Path) -> None:
         num_requests=256,
     )
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release()
 
 
 def w1_fp8(args, rec: Recorder, folder: Path) -> None:
     """W1's batch in bf16 and with fp8 weights and activations, both batchlm, same run."""
     prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
     if not (folder / "config.json").exists():
-        free(build_random_model(LLAMA_8B, folder))
+        build_random_model(LLAMA_8B, folder)
+        release()
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     results = {}
     for quantization in (None, "fp8"):
@@ -353,8 +350,7 @@ def w1_fp8(args, rec: Recorder, folder: Path) -> None:
         secs, _ = run_batchlm(llm, prompts, params)
         results[quantization] = 256 * 256 / secs
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        release()
     common = dict(
         workload="W1-fp8",
         metric="output_tok_per_s",
@@ -382,7 +378,8 @@ def w3_ngram(args, rec: Recorder, folder: Path) -> None:
     passage = prompts_of([64], LLAMA_8B["vocab_size"], 3)[0]
     prompts = [passage * 4]
     if not (folder / "config.json").exists():
-        free(build_random_model(LLAMA_8B, folder))
+        build_random_model(LLAMA_8B, folder)
+        release()
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     results, accepted = {}, None
     for spec in (False, True):
@@ -405,8 +402,7 @@ def w3_ngram(args, rec: Recorder, folder: Path) -> None:
             drafted = counts.get("batchlm:spec_decode_num_draft_tokens", 0)
             accepted = counts.get("batchlm:spec_decode_num_accepted_tokens", 0) / max(drafted, 1)
         del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        release()
     rec.record(
         workload="W3-ngram",
         system="batchlm-no-spec",
