@@ -12,13 +12,11 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .rows import ModelInfo, RowContractError, RowSpec
+from .rows import ModelInfo, RowContractError, RowSpec, stable_hash
 
 _ROW_FIELDS = {f.name for f in fields(RowSpec) if f.init}
 
@@ -93,13 +91,11 @@ class OperatorConfig:
 
     def fingerprint(self) -> str:
         """Stable across processes: the key for engine caches and job manifests."""
-        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return stable_hash(self.to_dict())
 
     def engine_fingerprint(self) -> str:
         """What determines the engine itself (model and engine options), not the rows."""
-        text = json.dumps([self.model, dict(self.engine_kwargs)], sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return stable_hash([self.model, dict(self.engine_kwargs)])
 
     def build_llm(self) -> Any:
         from batchlm.engine import LLM

@@ -129,8 +129,13 @@ class RowSpec:
 
     def fingerprint(self) -> str:
         """A stable hash of the spec, for caching engines and checking resumed output."""
-        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return stable_hash(self.to_dict())
+
+
+def stable_hash(value: Any) -> str:
+    """A short hash of JSON-able data, equal across processes (keys sorted)."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _build_params(cls: type, values: Mapping[str, Any] | None, name: str) -> Any:
