@@ -11,11 +11,16 @@ Partitions are sized from the host's `max_seq_len` by default; with `split_each_
 sequence cuts its own context into `num_splits` parts instead (read from `seq_lens` on the
 device), so that a launch sized for a bound (a CUDA graph captured for `max_model_len`)
 still spreads short contexts over its programs.
+
+The launch configuration (keys per tile, warps, pipeline stages, splits) has heuristic
+defaults (`choose_launch`) that every call may override; `benchmarks/tools/
+tune_decode_attention.py` sweeps them on a GPU.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,11 +36,20 @@ from .launch import (
     num_sms,
 )
 
-__all__ = ["decode_attention", "decode_attention_ref", "choose_num_splits"]
+__all__ = [
+    "DecodeLaunch",
+    "choose_launch",
+    "choose_num_splits",
+    "decode_attention",
+    "decode_attention_ref",
+]
 
-# Keys per inner-loop tile (and the unit of a split). Independent of the cache block size:
-# each key's block is looked up on its own, so any block size works.
+# Keys per inner-loop tile by default (and the unit of a split). Independent of the cache
+# block size: each key's block is looked up on its own, so any block size works.
 _BLOCK_N = 64
+# Triton's own defaults for CUDA, stated so that a launch names its whole configuration.
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 # A split shorter than this costs more in the merge than it saves.
 _MIN_PARTITION = 256
 _MAX_SPLITS = 64
@@ -74,10 +88,15 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    IDS_PER_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
+    """IDS_PER_TILE == 0: each key looks its cache block up in the block table. Else tiles
+    start on a multiple of `BLOCK_N // IDS_PER_TILE` keys (a power-of-two BLOCK_SIZE, or
+    BLOCK_N when smaller), so that each tile is IDS_PER_TILE runs of keys that share one
+    block: one table load per run."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,10 +130,25 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    KEYS_PER_ID: tl.constexpr = BLOCK_N // IDS_PER_TILE if IDS_PER_TILE else 1
+    if IDS_PER_TILE:
+        # Align down (keys before `start` are masked); an empty split stays empty, so every
+        # tile still holds at least one valid key.
+        loop_start = tl.where(start < end, start - start % KEYS_PER_ID, end)
+    else:
+        loop_start = start
+    for n0 in range(loop_start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if IDS_PER_TILE:
+            n_mask = (offs_n >= start) & (offs_n < end)
+            run_starts = n0 + tl.arange(0, IDS_PER_TILE) * KEYS_PER_ID
+            ids = tl.load(table_ptr + run_starts // BLOCK_SIZE, mask=run_starts < end, other=0)
+            blocks = tl.reshape(
+                tl.broadcast_to(ids[:, None], (IDS_PER_TILE, KEYS_PER_ID)), (BLOCK_N,)
+            ).to(tl.int64)
+        else:
+            n_mask = offs_n < end
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
@@ -228,6 +262,103 @@ def choose_num_splits(
     return max(1, min(cdiv(target, programs), by_length, _MAX_SPLITS))
 
 
+class DecodeLaunch(NamedTuple):
+    """The launch configuration of one `decode_attention` call."""
+
+    block_n: int
+    """Keys per inner-loop tile."""
+    num_warps: int
+    """Warps per program."""
+    num_stages: int
+    """Software-pipeline stages of the key loop."""
+    num_splits: int
+    """Context partitions: programs per (sequence, kv head)."""
+    partition_size: int
+    """Keys per partition, a multiple of `block_n` (the kernel sizes its own partitions
+    from each sequence's length with `split_each_seq`)."""
+    ids_per_tile: int
+    """Block-table loads per key tile; 0: one per key."""
+
+
+def _check_power_of_2(name: str, value: object, low: int, high: int, why: str) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not low <= value <= high
+        or value & (value - 1)
+    ):
+        raise ValueError(f"{name}={value!r} must be a power of two in [{low}, {high}] ({why})")
+    return value
+
+
+def choose_launch(
+    dtype: torch.dtype,
+    head_dim: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    block_size: int,
+    context_len: int,
+    device: torch.device,
+    *,
+    split_each_seq: bool = False,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    align_tiles_to_blocks: bool = False,
+) -> DecodeLaunch:
+    """The launch `decode_attention` makes: each None takes its heuristic default, the
+    rest are validated (`ValueError` naming the bad value).
+
+    Args:
+        dtype: The query's dtype.
+        head_dim: Channels per head.
+        num_seqs: Sequences in the batch (>= 1).
+        num_kv_heads: KV heads of the cache.
+        block_size: Tokens per cache block.
+        context_len: Longest context attended (`max_seq_len`, capped at the window).
+        device: Where the kernel runs (its SM count sizes the default splits).
+        split_each_seq: As in `decode_attention`.
+        block_n: Keys per tile; None: 64, or 32 for float32 or heads wider than 128 (to
+            keep the pipelined tiles in shared memory).
+        num_warps: None: 4 (Triton's default).
+        num_stages: None: 3 (Triton's default).
+        num_splits: None: by occupancy (`choose_num_splits`).
+        align_tiles_to_blocks: Start key tiles on cache-block boundaries and load each
+            block's id once per tile instead of once per key (needs a power-of-two
+            `block_size`).
+    """
+    if block_n is None:
+        block_n = _BLOCK_N // 2 if dtype == torch.float32 or head_dim > 128 else _BLOCK_N
+    _check_power_of_2("block_n", block_n, 16, 256, "tl.dot needs at least 16 keys per tile")
+    num_warps = _check_power_of_2(
+        "num_warps", _NUM_WARPS if num_warps is None else num_warps, 1, 16, "warps per program"
+    )
+    if num_stages is None:
+        num_stages = _NUM_STAGES
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages={num_stages!r} must be an integer in [1, 8]")
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, context_len, device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be an integer >= 1")
+    ids_per_tile = 0
+    if align_tiles_to_blocks:
+        if block_size & (block_size - 1):
+            raise ValueError(
+                f"align_tiles_to_blocks needs a power-of-two cache block size, got "
+                f"block_size={block_size}; pass align_tiles_to_blocks=False"
+            )
+        ids_per_tile = block_n // min(block_size, block_n)
+    # Partitions stay multiples of the default tile too, so that a smaller tile splits the
+    # context exactly as the default does.
+    unit = max(_BLOCK_N, block_n)
+    partition_size = cdiv(cdiv(context_len, num_splits), unit) * unit
+    if not split_each_seq:  # else the launch keeps every split for the longest contexts
+        num_splits = cdiv(context_len, partition_size)
+    return DecodeLaunch(block_n, num_warps, num_stages, num_splits, partition_size, ids_per_tile)
+
+
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -240,6 +371,11 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     split_each_seq: bool = False,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    align_tiles_to_blocks: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -259,6 +395,13 @@ def decode_attention(
         split_each_seq: Cut each sequence's own context into the `num_splits` partitions
             instead of `max_seq_len`'s (for a `max_seq_len` that is only a bound, e.g. in a
             CUDA graph replayed for shorter contexts). Nothing else is read from the host.
+        block_n: Keys per tile, a power of two in [16, 256]; None: the default
+            (`choose_launch`).
+        num_warps: Warps per program, a power of two in [1, 16]; None: 4.
+        num_stages: Pipeline stages of the key loop, in [1, 8]; None: 3.
+        align_tiles_to_blocks: See `choose_launch`.
+
+    Every launch configuration gives the same result up to float rounding.
 
     Returns:
         `[num_seqs, num_heads, head_dim]` in the query's dtype.
@@ -285,21 +428,27 @@ def decode_attention(
             f"out must be {tuple(query.shape)} {query.dtype} with stride 1 in its last "
             f"dimension, got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    launch = choose_launch(
+        query.dtype,
+        head_dim,
+        max(num_seqs, 1),  # an empty batch still has its arguments checked
+        num_kv_heads,
+        block_size,
+        min(max_seq_len, sliding_window) if sliding_window else max_seq_len,
+        device,
+        split_each_seq=split_each_seq,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_splits=num_splits,
+        align_tiles_to_blocks=align_tiles_to_blocks,
+    )
     if num_seqs == 0:
         return out
-    num_kv_heads = key_cache.shape[2]
-    context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, context, device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits} must be >= 1")
-    partition_size = cdiv(cdiv(context, num_splits), _BLOCK_N) * _BLOCK_N
-    if not split_each_seq:  # else the launch keeps every split for the longest contexts
-        num_splits = cdiv(context, partition_size)
+    num_splits = launch.num_splits
 
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    # float32 or wide heads: halve the key tile to keep the pipelined tiles in shared memory.
-    block_n = _BLOCK_N // 2 if query.dtype == torch.float32 or head_dim > 128 else _BLOCK_N
     if num_splits == 1:
         partial, lse = out, out  # lse is unused
         stride_p, stride_l = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -319,7 +468,7 @@ def decode_attention(
         lse,
         scale * math.log2(math.e),
         sliding_window or NO_WINDOW,
-        partition_size,
+        launch.partition_size,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -335,11 +484,14 @@ def decode_attention(
         BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=launch.block_n,
+        IDS_PER_TILE=launch.ids_per_tile,
         NUM_SPLITS=num_splits,
         PER_SEQ_SPLITS=split_each_seq,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
