@@ -4,10 +4,11 @@ Weights are stored with one scale per output channel (`weight_scale`, float32 `[
 that `W ≈ weight.float() * weight_scale[:, None]`:
 
 - `fp8`: e4m3 weights. On CUDA devices of capability 8.9 or more (Ada, Hopper) activations
-  are quantised per token at run time and `torch._scaled_mm` multiplies the two in fp8
-  (row-wise scales, bfloat16 output). Elsewhere the weights are dequantised to the
-  activation dtype: per matmul on CUDA (the weights stay fp8 in memory), once at load on CPU
-  (the CPU matmul of the dequantised weights is the reference the tests run).
+  are quantised per token at run time (one Triton kernel, `kernels/quant_fp8.py`) and
+  `torch._scaled_mm` multiplies the two in fp8 (row-wise scales, bfloat16 output).
+  Elsewhere the weights are dequantised to the activation dtype: per matmul on CUDA (the
+  weights stay fp8 in memory), once at load on CPU (the CPU matmul of the dequantised
+  weights is the reference the tests run).
 - `int8`: weight-only int8 (symmetric, round to nearest), dequantised inside each matmul
   (the weights stay int8 in memory).
 
@@ -24,6 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from batchlm.kernels import use_triton_kernels
 
 from .linear import Linear
 
@@ -44,6 +47,11 @@ def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
     """Symmetric quantisation with one scale per row (an output channel of a weight, or a
     token of an activation).
 
+    The scale is the row's largest magnitude times `1 / qmax` (rounded to float32), not
+    divided by `qmax`: PyTorch on CUDA divides a tensor by a Python number that way, so this
+    gives the same scales on every device (they differ in the last bit for about half the
+    rows otherwise), and the fp8 activation kernel follows the same rule.
+
     Args:
         x: `[rows, cols]` floating-point tensor.
         dtype: `torch.float8_e4m3fn` (scaled so the row's largest magnitude maps to 448) or
@@ -51,7 +59,7 @@ def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
     """
     x32 = x.float()
     qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
-    scale = x32.abs().amax(dim=-1).clamp(min=_MIN_SCALE) / qmax  # [rows]
+    scale = x32.abs().amax(dim=-1).clamp(min=_MIN_SCALE) * (1.0 / qmax)  # [rows]
     scaled = x32 / scale[:, None]
     if dtype == torch.int8:
         scaled = scaled.round()
@@ -60,8 +68,12 @@ def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
 
 def quantize_fp8_per_token(x: torch.Tensor) -> QuantizedTensor:
     """`quantize_per_row(x, FP8_DTYPE)` for activations: the same values, without a float32
-    copy of `x` (the row maxima are exact in `x.dtype`, and the division promotes)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    copy of `x` (the row maxima are exact in `x.dtype`, and the division promotes).
+
+    On CUDA `Fp8LinearMethod` runs `batchlm.kernels.quant_fp8` instead, which computes the
+    same values and scales bit for bit in one kernel.
+    """
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) * (1.0 / FP8_MAX)
     scaled = x / scale  # [n, cols] float32
     return QuantizedTensor(scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.squeeze(-1))
 
@@ -149,7 +161,15 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [n, in]
-        xq = quantize_fp8_per_token(x2)
+        if use_triton_kernels(x2):
+            # One kernel (one read of x) instead of the reference's chain of element-wise ops.
+            from batchlm.kernels.quant_fp8 import quantize_fp8_per_token as quantize_fp8_kernel
+
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            xq = quantize_fp8_kernel(x2, min_amax=_MIN_SCALE)
+        else:
+            xq = quantize_fp8_per_token(x2)
         out = torch._scaled_mm(
             xq.values,
             layer.weight.t(),  # [in, out], column-major as cuBLASLt wants it
