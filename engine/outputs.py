@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -146,13 +148,37 @@ class PoolingOutput:
     """A torch tensor: `[hidden]` / `[num_labels]` per sequence, `[num_tokens, ...]` per token."""
 
 
+class _TokenIdsField:
+    """A dataclass field that may be given a numpy array of ids and always reads as a
+    `list[int]`: the array becomes a list on the first read, which is kept.
+
+    Large pooling calls hand each output a view of the call's flat token ids, because most
+    callers never read `prompt_token_ids` and 100k lists cost more than the forward.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> list[int]:
+        if obj is None:  # no class-level default: the dataclass keeps the field required
+            raise AttributeError(self.key[1:])
+        ids = obj.__dict__[self.key]
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+            obj.__dict__[self.key] = ids
+        return ids
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.key] = value
+
+
 @dataclass
 class PoolingRequestOutput:
     """One input's pooling result (`outputs` is the task's output type)."""
 
     request_id: str
     outputs: Any
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] = _TokenIdsField()  # type: ignore[assignment]
     finished: bool = True
 
 
