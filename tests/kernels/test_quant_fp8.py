@@ -150,11 +150,21 @@ def test_rejects_tensors_on_two_devices():
 
 
 @pytest.mark.gpu
-def test_fp8_linear_layer_runs_the_kernel(device):
-    """The layer's output with the kernel equals the one with the PyTorch quantisation."""
+def test_fp8_linear_layer_runs_the_kernel(device, monkeypatch):
+    """The layer quantises its input with the kernel, and its output equals the one with the
+    PyTorch quantisation."""
     if device.type != "cuda":
         pytest.skip("the kernel is used on CUDA only")
     from batchlm.engine.models.layers.linear import Linear
+    from batchlm.kernels import quant_fp8
+
+    calls = []
+
+    def spy(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return quantize_fp8_per_token(x, *args, **kwargs)
+
+    monkeypatch.setattr(quant_fp8, "quantize_fp8_per_token", spy)
 
     torch.manual_seed(0)
     layer = Linear(256, 512, bias=False).to(device, torch.bfloat16)
@@ -172,3 +182,4 @@ def test_fp8_linear_layer_runs_the_kernel(device):
         out_dtype=torch.bfloat16,
     ).reshape(3, 33, 512)
     assert torch.equal(layer(x), want)
+    assert calls == [(99, 256)]
