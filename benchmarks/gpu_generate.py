@@ -14,7 +14,9 @@ W2: Qwen2.5-0.5B shape, 256 requests, prompt and output lengths uniform in [100,
     temperature 0.6; HF continuous batching (`generate_batch`) when `--baseline-w2`.
 W3: Llama-3.1-8B shape, batch 1, 32-token prompt, 256 output tokens; HF `generate`.
 W1-fp8: W1's batch in bf16 against fp8 (both batchlm).
-W3-ngram: batch 1, a repeated passage as prompt, ngram speculation against none (both batchlm).
+W3-ngram: batch 1, a copy-heavy prompt (the model made to copy, see `w3_ngram`), ngram
+    speculation against none (both batchlm).
+W3-tp2: W3 with tensor_parallel_size=2 against 1 (both batchlm; 2 GPUs).
 W5: Llama-3.1-8B shape, 256 requests sharing a 1,024-token prefix + 64 own tokens, 64 output
     tokens; batchlm with prefix caching on against off.
 
@@ -370,18 +372,30 @@ def w1_fp8(args, rec: Recorder, folder: Path) -> None:
     )
 
 
+def zero_attention_outputs(llm: LLM) -> None:
+    """Zero every layer's attention output projection, in place (the graphs keep reading
+    the same tensors): the model's next token is then a function of its current token."""
+    for name, module in llm.llm_engine.runner.model.named_modules():
+        if name.endswith("o_proj"):
+            module.weight.data.zero_()
+
+
 def w3_ngram(args, rec: Recorder, folder: Path) -> None:
-    """Batch 1, a prompt made of one 64-token passage repeated four times, 256 output
-    tokens; ngram prompt lookup against no speculation, both batchlm, same run. With random
-    weights the output copies the prompt only where the model happens to; the record
-    carries the acceptance rate that explains the speed-up."""
-    passage = prompts_of([64], LLAMA_8B["vocab_size"], 3)[0]
-    prompts = [passage * 4]
+    """Batch 1, a copy-heavy prompt, 256 output tokens; ngram prompt lookup against no
+    speculation, both batchlm, same run.
+
+    Random weights do not copy text, so the model is made to: with the attention output
+    projections zeroed, each next token depends on the current token alone (the compute per
+    step is unchanged: every kernel still runs). The prompt is the model's own greedy
+    passage of 320 tokens followed by its first 32 tokens again, so the answer repeats the
+    passage from token 32 on, as a model does when it copies from its context; the record
+    carries the acceptance rate and how much of the answer the passage predicted."""
     if not (folder / "config.json").exists():
         build_random_model(LLAMA_8B, folder)
         release()
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
-    results, accepted = {}, None
+    start = prompts_of([1], LLAMA_8B["vocab_size"], 3)[0]
+    results, accepted, passage, copied = {}, None, None, None
     for spec in (False, True):
         extra = (
             dict(
@@ -395,8 +409,17 @@ def w3_ngram(args, rec: Recorder, folder: Path) -> None:
             else {}
         )
         llm = make_llm(folder, args, max_num_seqs=16, **extra)
-        run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-        results[spec], outs = run_batchlm(llm, prompts, params)
+        zero_attention_outputs(llm)
+        if passage is None:
+            _, outs = run_batchlm(
+                llm, [start], SamplingParams(max_tokens=319, ignore_eos=True, temperature=0)
+            )
+            passage = start + list(outs[0].outputs[0].token_ids)
+        prompt = passage + passage[:32]
+        run_batchlm(llm, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+        results[spec], outs = run_batchlm(llm, [prompt], params)
+        answer = list(outs[0].outputs[0].token_ids)
+        copied = sum(a == b for a, b in zip(answer, passage[32:], strict=False)) / len(answer)
         if spec:
             counts = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
             drafted = counts.get("batchlm:spec_decode_num_draft_tokens", 0)
@@ -417,17 +440,61 @@ def w3_ngram(args, rec: Recorder, folder: Path) -> None:
         baseline_value=round(results[False] / 256 * 1e3, 3),
         ratio=round(results[False] / results[True], 3),
         acceptance_rate=round(accepted or 0.0, 3),
+        answer_copied_from_passage=round(copied, 3),
+        distinct_passage_tokens=len(set(passage)),
         spec_tokens=4,
-        prompt="64 random tokens repeated 4 times",
+        prompt="the model's own 320-token greedy passage, then its first 32 tokens again",
+        model="Llama-3.1-8B shape, random weights, attention output projections zeroed",
         batch_size=1,
         output_len=256,
+    )
+
+
+def w3_tp2(args, rec: Recorder, folder: Path) -> None:
+    """W3 with tensor_parallel_size=2 against 1, both batchlm, same run (2 GPUs)."""
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("W3-tp2 needs 2 GPUs")
+    prompts = prompts_of([32], LLAMA_8B["vocab_size"], 0)
+    if not (folder / "config.json").exists():
+        build_random_model(LLAMA_8B, folder)
+        release()
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    ms = {}
+    for tp in (1, 2):
+        llm = make_llm(folder, args, max_num_seqs=16, tensor_parallel_size=tp)
+        run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        secs, _ = run_batchlm(llm, prompts, params)
+        ms[tp] = secs / 256 * 1e3
+        llm.shutdown()
+        del llm
+        release()
+    common = dict(
+        workload="W3-tp2",
+        metric="ms_per_token",
+        model="Llama-3.1-8B shape, random weights",
+        dtype="bfloat16",
+        batch_size=1,
+        prompt_len=32,
+        output_len=256,
+    )
+    rec.record(system="batchlm-tp1", value=round(ms[1], 3), **common)
+    rec.record(
+        system="batchlm",
+        tensor_parallel_size=2,
+        value=round(ms[2], 3),
+        baseline_value=round(ms[1], 3),
+        time_ratio_tp2_over_tp1=round(ms[2] / ms[1], 3),
+        ratio=round(ms[1] / ms[2], 3),
+        **common,
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "--workload", action="append", choices=["W1", "W2", "W3", "W5", "W1-fp8", "W3-ngram"]
+        "--workload",
+        action="append",
+        choices=["W1", "W2", "W3", "W5", "W1-fp8", "W3-ngram", "W3-tp2"],
     )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
@@ -456,6 +523,8 @@ def main() -> None:
             w1_fp8(args, rec, llama_dir)
         elif workload == "W3-ngram":
             w3_ngram(args, rec, llama_dir)
+        elif workload == "W3-tp2":
+            w3_tp2(args, rec, llama_dir)
         else:
             w2(args, rec, qwen_dir)
         print(json.dumps({"workload": workload, "wall_s": round(time.perf_counter() - start, 1)}))

@@ -8,6 +8,14 @@ first, all sizes in one memory pool) on views of the runner's `StepBuffers`. A s
 write no KV and are ignored, see `step_buffers`) and replays that graph. Prefills and mixed
 steps, and decode batches above the largest size, run eagerly.
 
+With speculative decoding, verification steps (each sequence's last token plus up to k
+draft tokens) are captured too: graphs of `q = k + 1` tokens per row, where a row with
+fewer tokens is padded inside the row (`step_buffers`' uniform layout) and the real rows
+are gathered back afterwards. Any step whose sequences each have at most q tokens can
+replay them. With tensor parallelism every rank captures the same graphs in the same order
+(the collectives are recorded inside) and replays them in the same order, so the recorded
+collectives pair up as the eager ones do.
+
 Only the Triton attention backend can be captured: its kernels read the step's lengths and
 block tables from device memory. The decode kernel's launch (its number of context splits)
 is sized for `max_model_len`, and the static metadata says `max_seq_len_is_bound`, so each
@@ -24,10 +32,11 @@ import bisect
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
-from .step_buffers import StepBuffers, StepInputs
+from .step_buffers import StepBuffers, StepInputs, uniform_token_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +62,29 @@ def choose_graph_size(sizes: Sequence[int], num_seqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def row_graph_sizes(max_num_seqs: int, max_num_tokens: int, tokens_per_row: int) -> list[int]:
+    """The batch sizes to capture for steps of `tokens_per_row` tokens per row (1: decode)."""
+    if tokens_per_row == 1:
+        return graph_batch_sizes(max_num_seqs, max_num_tokens)
+    limit = min(max_num_tokens, MAX_GRAPH_BATCH_SIZE) // tokens_per_row
+    return graph_batch_sizes(max_num_seqs, limit) if limit >= 1 else []
+
+
 def is_decode_step(inputs: StepInputs) -> bool:
     """Every sequence has exactly one query token (what a graph was captured for)."""
     return len(inputs.input_ids) == len(inputs.seq_lens) > 0
 
 
+def max_query_len(inputs: StepInputs) -> int:
+    """The most tokens any sequence has in the step (0 for an empty step)."""
+    if is_decode_step(inputs):
+        return 1
+    qsl = inputs.query_start_loc
+    return int(np.diff(qsl).max()) if len(qsl) > 1 else 0
+
+
 class DecodeGraphs:
-    """Decode-only forwards on padded static inputs, captured as CUDA graphs.
+    """Decode-only (and small uniform) forwards on padded static inputs, as CUDA graphs.
 
     Args:
         model: The runner's model.
@@ -67,10 +92,12 @@ class DecodeGraphs:
             must not be reallocated afterwards.
         backend: The attention backend (Triton).
         buffers: The runner's persistent step buffers.
-        sizes: Batch sizes to capture, ascending (`graph_batch_sizes`).
+        sizes: Decode batch sizes to capture, ascending (`graph_batch_sizes`).
         max_seq_len: Longest context a step can have (`max_model_len`): sizes the decode
             kernel's splits.
         capture: Capture CUDA graphs; False runs the padded forward eagerly (any device).
+        row_sizes: Further graphs: tokens per row (> 1) → batch sizes, ascending
+            (`row_graph_sizes`), for verification steps.
     """
 
     def __init__(
@@ -82,6 +109,7 @@ class DecodeGraphs:
         sizes: Sequence[int],
         max_seq_len: int,
         capture: bool,
+        row_sizes: dict[int, Sequence[int]] | None = None,
     ) -> None:
         if backend.name != "triton":
             raise ValueError(
@@ -92,73 +120,116 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.backend = backend
         self.buffers = buffers
-        self.sizes = [s for s in sizes if s <= buffers.capacity.num_rows]
+        capacity = buffers.capacity
+        self.row_sizes: dict[int, list[int]] = {}
+        """Tokens per row → captured batch sizes, ascending (1: decode steps)."""
+        for q, q_sizes in sorted({1: sizes, **(row_sizes or {})}.items()):
+            fitting = [
+                s for s in q_sizes if s <= capacity.num_rows and s * q <= capacity.num_tokens
+            ]
+            if fitting:
+                self.row_sizes[q] = fitting
         self.max_seq_len = max_seq_len
         self.is_captured = capture
-        self.metadata: dict[int, AttentionMetadata] = {}
-        """Batch size → the static metadata its forward reads (views of the buffers)."""
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        """Batch size → the graph's output hidden states `[size, hidden_size]`."""
+        self.metadata: dict[tuple[int, int], AttentionMetadata] = {}
+        """(tokens per row, batch size) → the static metadata its forward reads (views of
+        the buffers)."""
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        """(tokens per row, batch size) → the graph's output hidden states
+        `[size * tokens per row, hidden_size]`."""
         self.num_replays = 0
-        """Decode steps run through this path (tests check it is taken)."""
-        for size in self.sizes:
-            metadata = self._static_metadata(size)
+        """Steps run through this path (tests check it is taken)."""
+        self.num_row_replays = 0
+        """Of those, steps with more than one token per row."""
+        for key in self.shapes:
+            metadata = self._static_metadata(*key)
             backend.prepare(metadata)
-            self.metadata[size] = metadata
+            self.metadata[key] = metadata
         if capture:
             self._capture_all()
+
+    @property
+    def sizes(self) -> list[int]:
+        """The decode batch sizes."""
+        return self.row_sizes.get(1, [])
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens per row, batch size) with a graph."""
+        return [(q, size) for q, q_sizes in self.row_sizes.items() for size in q_sizes]
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
-    def _static_metadata(self, size: int) -> AttentionMetadata:
+    def _static_metadata(self, q: int, size: int) -> AttentionMetadata:
         buffers = self.buffers
         width = buffers.capacity.table_width
         t = buffers.tensors
         return AttentionMetadata(
             num_seqs=size,
-            num_tokens=size,
-            max_query_len=1,
+            num_tokens=size * q,
+            max_query_len=q,
             max_seq_len=self.max_seq_len,
             query_start_loc=t.query_start_loc[: size + 1],
             seq_lens=t.seq_lens[:size],
             block_tables=t.block_tables[: size * width].view(size, width),
-            slot_mapping=t.slot_mapping[:size],
-            # Not read by the Triton backend; kept consistent with a decode step's shape.
-            query_start_loc_host=list(range(size + 1)),
+            slot_mapping=t.slot_mapping[: size * q],
+            # Not read by the Triton backend; kept consistent with the step's shape.
+            query_start_loc_host=list(range(0, size * q + 1, q)),
             seq_lens_host=[self.max_seq_len] * size,
             max_seq_len_is_bound=True,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:  # [size, hidden_size]
+    def _forward(self, q: int, size: int) -> torch.Tensor:  # [size * q, hidden_size]
         t = self.buffers.tensors
+        n = size * q
         return self.model(
-            t.input_ids[:size], t.positions[:size], self.kv_caches, self.metadata[size]
+            t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
         )
+
+    def _shape_for(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The (tokens per row, batch size) graph that holds the step, if any."""
+        if not len(inputs.seq_lens):
+            return None
+        longest = max_query_len(inputs)
+        for q, q_sizes in self.row_sizes.items():
+            if q >= longest:
+                size = choose_graph_size(q_sizes, len(inputs.seq_lens))
+                if size is not None:
+                    return q, size
+        return None
 
     def can_run(self, inputs: StepInputs) -> bool:
-        if not is_decode_step(inputs):
+        shape = self._shape_for(inputs)
+        if shape is None:
             return False
-        size = choose_graph_size(self.sizes, len(inputs.seq_lens))
-        return size is not None and self.buffers.fits(
-            inputs, size, self.buffers.capacity.table_width
-        )
+        q, size = shape
+        return self.buffers.fits(inputs, size, self.buffers.capacity.table_width, q)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """The decode step's hidden states `[num_seqs, hidden_size]` (check `can_run` first).
+        """The step's hidden states `[num_tokens, hidden_size]`, rows in the step's own
+        token order (check `can_run` first).
 
-        The result is a view of the graph's output: read it before the next step.
+        A decode step's result is a view of the graph's output: read it before the next
+        step.
         """
-        num_seqs = len(inputs.seq_lens)
-        size = choose_graph_size(self.sizes, num_seqs)
-        self.buffers.stage(inputs, size, self.buffers.capacity.table_width)
+        q, size = self._shape_for(inputs)
+        self.buffers.stage(inputs, size, self.buffers.capacity.table_width, q)
         self.num_replays += 1
         if self.is_captured:
-            self.graphs[size].replay()
-            return self.outputs[size][:num_seqs]
-        return self._forward(size)[:num_seqs]
+            self.graphs[(q, size)].replay()
+            hidden = self.outputs[(q, size)]
+        else:
+            hidden = self._forward(q, size)
+        if q == 1:
+            return hidden[: len(inputs.seq_lens)]
+        self.num_row_replays += 1
+        rows = torch.from_numpy(uniform_token_rows(inputs.query_start_loc, q))
+        if hidden.device.type == "cuda":
+            rows = rows.pin_memory().to(hidden.device, non_blocking=True)
+        return hidden[rows]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -171,26 +242,28 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(device)
         stream = torch.cuda.Stream(device)
         pool = None
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+        # Largest first (by tokens): smaller graphs reuse its memory. The order is the same
+        # on every tensor-parallel rank.
+        for q, size in sorted(self.shapes, key=lambda k: (k[0] * k[1], k), reverse=True):
             # Every row padding: the warm-up and the capture write no KV.
-            self.buffers.stage(StepInputs.empty(), size, self.buffers.capacity.table_width)
+            self.buffers.stage(StepInputs.empty(), size, self.buffers.capacity.table_width, q)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 # Compiles and loads this shape's kernels (not allowed during capture) and
                 # sets up the libraries' per-stream state.
-                self._forward(size)
+                self._forward(q, size)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self._forward(size)
+                self.outputs[(q, size)] = self._forward(q, size)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[(q, size)] = graph
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         used = torch.cuda.memory_reserved(device) - reserved_before
         logger.info(
-            "CUDA graphs: %d decode batch sizes up to %d captured (%.0f MiB)",
-            len(self.sizes),
-            self.max_size,
+            "CUDA graphs: %d shapes captured (tokens per row → sizes: %s; %.0f MiB)",
+            len(self.graphs),
+            {q: f"{s[0]}..{s[-1]}" for q, s in self.row_sizes.items()},
             used / 2**20,
         )

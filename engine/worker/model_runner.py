@@ -36,7 +36,7 @@ from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
 from ..spec_decode.rejection import spec_sample_rows
-from .cuda_graphs import DecodeGraphs, graph_batch_sizes
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_graph_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
 from .step_buffers import StepBuffers, StepInputs
 
@@ -168,9 +168,6 @@ class ModelRunner:
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not config.device.enforce_eager
-            # Each rank would capture its own graphs with the NCCL collectives inside, and
-            # the ranks' replays would have to pair up; tensor-parallel steps stay eager.
-            and (tp is None or tp.world_size == 1)
         )
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
@@ -239,6 +236,8 @@ class ModelRunner:
             return 0
         sched = self.config.scheduler
         max_size = graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)[-1]
+        for q, sizes in self._row_graph_sizes().items():
+            max_size = max(max_size, q * sizes[-1])
         share = max(activation_bytes, 0) * min(1.0, max_size / max(num_tokens, 1))
         return int(2 * share) + CUDA_GRAPH_EXTRA_BYTES
 
@@ -312,7 +311,18 @@ class ModelRunner:
             graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens),
             self.config.model.max_model_len,
             capture=capture,
+            row_sizes=self._row_graph_sizes(),
         )
+
+    def _row_graph_sizes(self) -> dict[int, list[int]]:
+        """Graphs besides the decode ones: verification steps of speculative decoding
+        (the last token and k drafts per sequence)."""
+        if self.config.speculative is None:
+            return {}
+        q = self.config.speculative.num_speculative_tokens + 1
+        sched = self.config.scheduler
+        sizes = row_graph_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, q)
+        return {q: sizes} if sizes else {}
 
     # ---- one step ---------------------------------------------------------------------
 

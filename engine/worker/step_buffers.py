@@ -11,6 +11,14 @@ A step can be padded to more rows than it has sequences (a decode step replaying
 captured for a larger batch). Each padded row is one token that writes no KV (slot -1),
 attends to a single key (seq len 1, block 0, so attention stays finite), and whose output
 nobody reads.
+
+A step can also be laid out with a fixed number of tokens per row (`tokens_per_row` = q, a
+graph captured for verifying q - 1 draft tokens per sequence): row i holds tokens
+`i * q .. i * q + q - 1`, its real tokens last and padding tokens before them. A padding
+token writes no KV and sits at a position before the row's real tokens (query j of a row
+sits at `seq_len - q + j`), so it attends only to keys already in the cache and changes
+nothing the real tokens see; whole padded rows hold q padding tokens over a context of q
+keys in block 0.
 """
 
 from __future__ import annotations
@@ -86,13 +94,29 @@ class StepLayout:
     """Blocks per row written to the staging array (the step's own widest row): only these
     columns are copied; a wider table keeps stale entries past them, which no kernel reads
     (attention reads a row's blocks up to its seq len only)."""
+    tokens_per_row: int = 1
+    """1: real tokens back to back, then one token per padded row; q > 1: q tokens per row
+    (see the module docstring)."""
 
 
-def fits(inputs: StepInputs, num_rows: int, table_width: int, capacity: StepLayout) -> bool:
-    """Whether `inputs`, padded to `num_rows` rows of `table_width` blocks, fits buffers of
-    `capacity` (its `num_rows * table_width` bounds the block-table entries)."""
+def fits(
+    inputs: StepInputs,
+    num_rows: int,
+    table_width: int,
+    capacity: StepLayout,
+    tokens_per_row: int = 1,
+) -> bool:
+    """Whether `inputs`, padded to `num_rows` rows of `table_width` blocks (and of
+    `tokens_per_row` tokens each when > 1), fits buffers of `capacity` (its
+    `num_rows * table_width` bounds the block-table entries)."""
     num_seqs = len(inputs.seq_lens)
-    num_tokens = len(inputs.input_ids) + num_rows - num_seqs
+    if tokens_per_row == 1:
+        num_tokens = len(inputs.input_ids) + num_rows - num_seqs
+    else:
+        query_lens = np.diff(inputs.query_start_loc)
+        if len(query_lens) and query_lens.max() > tokens_per_row:
+            return False
+        num_tokens = num_rows * tokens_per_row
     return (
         num_rows >= num_seqs
         and num_tokens <= capacity.num_tokens
@@ -102,13 +126,22 @@ def fits(inputs: StepInputs, num_rows: int, table_width: int, capacity: StepLayo
     )
 
 
-def write_step(dst: StepArrays, inputs: StepInputs, num_rows: int, table_width: int) -> StepLayout:
-    """Write `inputs` into the staging arrays `dst`, padded to `num_rows` rows.
+def write_step(
+    dst: StepArrays,
+    inputs: StepInputs,
+    num_rows: int,
+    table_width: int,
+    tokens_per_row: int = 1,
+) -> StepLayout:
+    """Write `inputs` into the staging arrays `dst`, padded to `num_rows` rows (of
+    `tokens_per_row` tokens each when > 1).
 
     Rows past the step's sequences are padding (see the module docstring). The block
     tables are staged compact, `[num_rows, staged_width]` with the step's own width (zero
     past each sequence's blocks and on padded rows). The caller checks `fits` first.
     """
+    if tokens_per_row > 1:
+        return _write_uniform_step(dst, inputs, num_rows, table_width, tokens_per_row)
     num_seqs = len(inputs.seq_lens)
     num_real_tokens = len(inputs.input_ids)
     num_pad = num_rows - num_seqs
@@ -128,11 +161,50 @@ def write_step(dst: StepArrays, inputs: StepInputs, num_rows: int, table_width: 
     dst.seq_lens[:num_seqs] = inputs.seq_lens
     dst.seq_lens[num_seqs:num_rows] = 1
 
+    width = _write_block_tables(dst, inputs, num_rows)
+    return StepLayout(num_tokens, num_rows, table_width, width)
+
+
+def uniform_token_rows(query_start_loc: np.ndarray, tokens_per_row: int) -> np.ndarray:
+    """Where each real token of a step lands in the uniform layout of `tokens_per_row`
+    tokens per row (real tokens last in their row): `[num_real_tokens]` int64."""
+    query_lens = np.diff(query_start_loc)
+    num_seqs = len(query_lens)
+    first = np.arange(num_seqs, dtype=np.int64) * tokens_per_row + tokens_per_row - query_lens
+    return np.repeat(first - query_start_loc[:-1], query_lens) + np.arange(
+        int(query_start_loc[-1]), dtype=np.int64
+    )
+
+
+def _write_uniform_step(
+    dst: StepArrays, inputs: StepInputs, num_rows: int, table_width: int, q: int
+) -> StepLayout:
+    num_seqs = len(inputs.seq_lens)
+    num_tokens = num_rows * q
+    rows = uniform_token_rows(inputs.query_start_loc, q)
+    for name, real, pad in (
+        ("input_ids", inputs.input_ids, 0),
+        ("positions", inputs.positions, 0),
+        ("slot_mapping", inputs.slot_mapping, PAD_SLOT),
+    ):
+        array = getattr(dst, name)
+        array[:num_tokens] = pad
+        array[rows] = real
+    dst.query_start_loc[: num_rows + 1] = np.arange(0, num_tokens + 1, q)
+    dst.seq_lens[:num_seqs] = inputs.seq_lens
+    dst.seq_lens[num_seqs:num_rows] = q
+    width = _write_block_tables(dst, inputs, num_rows)
+    return StepLayout(num_tokens, num_rows, table_width, width, q)
+
+
+def _write_block_tables(dst: StepArrays, inputs: StepInputs, num_rows: int) -> int:
+    """Stage the block tables compact, `[num_rows, width]`; returns the width."""
+    num_seqs = len(inputs.seq_lens)
     width = inputs.block_tables.shape[1]
     tables = dst.block_tables[: num_rows * width].reshape(num_rows, width)
     tables[:num_seqs] = inputs.block_tables
     tables[num_seqs:] = 0
-    return StepLayout(num_tokens, num_rows, table_width, width)
+    return width
 
 
 class StepBuffers:
@@ -172,16 +244,21 @@ class StepBuffers:
         self._copied: torch.cuda.Event | None = torch.cuda.Event() if is_cuda else None
         self._copy_pending = False
 
-    def fits(self, inputs: StepInputs, num_rows: int, table_width: int) -> bool:
-        return fits(inputs, num_rows, table_width, self.capacity)
+    def fits(
+        self, inputs: StepInputs, num_rows: int, table_width: int, tokens_per_row: int = 1
+    ) -> bool:
+        return fits(inputs, num_rows, table_width, self.capacity, tokens_per_row)
 
-    def stage(self, inputs: StepInputs, num_rows: int, table_width: int) -> StepLayout:
-        """Write `inputs` (padded to `num_rows` rows) and start copying it to the device."""
+    def stage(
+        self, inputs: StepInputs, num_rows: int, table_width: int, tokens_per_row: int = 1
+    ) -> StepLayout:
+        """Write `inputs` (padded to `num_rows` rows, of `tokens_per_row` tokens each when
+        > 1) and start copying it to the device."""
         if self._copy_pending:
             # The last step's copies may still be reading the staging arrays (a rank that
             # never waits for its device); on rank 0 they are long done.
             self._copied.synchronize()
-        layout = write_step(self.host, inputs, num_rows, table_width)
+        layout = write_step(self.host, inputs, num_rows, table_width, tokens_per_row)
         rows, width = layout.num_rows, layout.staged_width
         src, dst = self.host_tensors, self.tensors
         for name, n in (

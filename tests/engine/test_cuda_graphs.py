@@ -23,6 +23,7 @@ from batchlm.engine.worker.cuda_graphs import (  # noqa: E402
     choose_graph_size,
     graph_batch_sizes,
     is_decode_step,
+    row_graph_sizes,
 )
 from batchlm.engine.worker.step_buffers import (  # noqa: E402
     PAD_SLOT,
@@ -31,6 +32,7 @@ from batchlm.engine.worker.step_buffers import (  # noqa: E402
     StepInputs,
     StepLayout,
     fits,
+    uniform_token_rows,
     write_step,
 )
 
@@ -149,6 +151,67 @@ def test_prefill_steps_keep_their_token_layout():
     assert dst.slot_mapping[:4].tolist() == [23, 24, 25, 33]
 
 
+def test_verification_ladder_is_bounded_by_tokens():
+    assert row_graph_sizes(256, 8192, 1) == LADDER_256
+    # 5 tokens per row: at most MAX_GRAPH_BATCH_SIZE tokens, so 102 rows.
+    assert row_graph_sizes(256, 8192, 5) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 102]
+    assert row_graph_sizes(16, 8192, 5) == [1, 2, 4, 8, 16]
+    assert row_graph_sizes(16, 12, 5) == [1, 2]  # the token budget
+    assert row_graph_sizes(16, 4, 5) == []
+
+
+def _verify_step() -> StepInputs:
+    """Three sequences with 3, 1 and 2 query tokens (a last token plus 2, 0 and 1 drafts),
+    block size 4."""
+    seq_lens = np.array([7, 3, 10], np.int64)
+    query_lens = np.array([3, 1, 2], np.int64)
+    tables = np.array([[5, 6, 0], [8, 0, 0], [1, 2, 3]], np.int64)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)])
+    seq_of = np.repeat(np.arange(3), query_lens)
+    positions = np.arange(6) - qsl[seq_of] + (seq_lens - query_lens)[seq_of]
+    slots = tables[seq_of, positions // 4] * 4 + positions % 4
+    return StepInputs(
+        input_ids=np.array([11, 12, 13, 21, 31, 32], np.int64),
+        positions=positions,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mapping=slots,
+        sample_rows=np.arange(6, dtype=np.int64),
+        prompt_rows=np.zeros(0, np.int64),
+        prompt_targets=np.zeros(0, np.int64),
+    )
+
+
+def test_uniform_rows_put_real_tokens_last_and_padding_before_them():
+    step = _verify_step()
+    assert not is_decode_step(step)
+    assert uniform_token_rows(step.query_start_loc, 3).tolist() == [0, 1, 2, 5, 7, 8]
+    dst = _arrays(16, 8, 4)
+    layout = write_step(dst, step, num_rows=4, table_width=3, tokens_per_row=3)
+    assert layout == StepLayout(12, 4, 3, 3, tokens_per_row=3)
+    assert dst.input_ids[:12].tolist() == [11, 12, 13, 0, 0, 21, 0, 31, 32, 0, 0, 0]
+    # Real positions: sequence 0 at 4..6, 1 at 2, 2 at 8..9; padding at position 0.
+    assert dst.positions[:12].tolist() == [4, 5, 6, 0, 0, 2, 0, 8, 9, 0, 0, 0]
+    real = [0, 1, 2, 5, 7, 8]
+    assert dst.slot_mapping[real].tolist() == step.slot_mapping.tolist()
+    assert (np.delete(dst.slot_mapping[:12], real) == PAD_SLOT).all()
+    assert dst.query_start_loc[:5].tolist() == [0, 3, 6, 9, 12]
+    # Real rows keep their lengths, so query j of a row sits at seq_len - 3 + j: the real
+    # tokens where they belong, the padding before them. A padded row holds 3 keys.
+    assert dst.seq_lens[:4].tolist() == [7, 3, 10, 3]
+    assert dst.block_tables[:12].reshape(4, 3).tolist() == [
+        [5, 6, 0],
+        [8, 0, 0],
+        [1, 2, 3],
+        [0, 0, 0],
+    ]
+    capacity = StepLayout(num_tokens=12, num_rows=4, table_width=3, staged_width=3)
+    assert fits(step, 4, 3, capacity, tokens_per_row=3)
+    assert not fits(step, 4, 3, capacity, tokens_per_row=2)  # a row of 3 tokens
+    assert not fits(step, 5, 3, capacity, tokens_per_row=3)  # 15 tokens
+
+
 def test_fits_checks_every_capacity():
     capacity = StepLayout(num_tokens=8, num_rows=4, table_width=3, staged_width=3)
     step = _decode_step([5, 9, 2], [[3, 4], [7, 1, 6], [2]])
@@ -245,6 +308,50 @@ def test_static_decode_path_matches_eager_with_preemption(tiny_model_factory):
     assert llm.llm_engine.kv_cache.pool.num_free_blocks == 7
 
 
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_static_verification_path_keeps_greedy_tokens(method, tiny_model_factory):
+    """Speculative steps on the static path (the last token and up to 3 drafts per
+    sequence, padded inside 4-token rows) give the tokens of the engine without
+    speculation. The prompts repeat a passage so that n-gram lookup proposes; the target
+    drafting for itself has its drafts accepted, so rows gain several tokens."""
+    path = str(tiny_model_factory("llama"))
+    common = dict(
+        attention_backend="triton",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=96,
+        max_num_seqs=4,
+        seed=0,
+    )
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        {"prompt_token_ids": torch.randint(3, 49000, (n,), generator=gen).tolist() * 3}
+        for n in (5, 8, 3)
+    ]
+    params = _greedy(max_tokens=12)
+    plain = LLM(path, **common)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    spec = (
+        dict(spec_method="ngram", spec_tokens=3, prompt_lookup_max=3)
+        if method == "ngram"
+        else dict(spec_model=path, spec_tokens=3)
+    )
+    llm = LLM(path, disable_log_stats=False, **spec, **common)
+    runner = llm.llm_engine.runner
+    runner.enable_decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    assert sorted(graphs.row_sizes) == [1, 4] and graphs.row_sizes[4] == [1, 2, 4]
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert graphs.num_row_replays > 0
+    counts = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert counts["batchlm:spec_decode_num_draft_tokens"] > 0
+    if method == "self-draft":
+        assert counts["batchlm:spec_decode_num_accepted_tokens"] > 0
+    llm.shutdown()
+    assert _tokens(got) == _tokens(expected)
+
+
 def test_graphs_are_off_on_cpu_and_need_the_triton_backend(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=64, device="cpu")
     runner = llm.llm_engine.runner
@@ -297,6 +404,7 @@ class _Run:
     stats: SchedulerStats
     graph_sizes: list[int]
     num_replays: int
+    num_row_replays: int = 0
 
 
 def _run(path, dtype, prompt_rounds, params, enforce_eager, **options) -> _Run:
@@ -306,8 +414,10 @@ def _run(path, dtype, prompt_rounds, params, enforce_eager, **options) -> _Run:
         assert (graphs is None) == enforce_eager
         assert graphs is None or graphs.is_captured
         outs = [llm.generate(p, params, use_tqdm=False) for p in prompt_rounds]
-        sizes = sorted(graphs.graphs) if graphs else []
-        return _Run(outs, llm.llm_engine.stats(), sizes, graphs.num_replays if graphs else 0)
+        if graphs is None:
+            return _Run(outs, llm.llm_engine.stats(), [], 0)
+        sizes = sorted(size for q, size in graphs.graphs if q == 1)
+        return _Run(outs, llm.llm_engine.stats(), sizes, graphs.num_replays, graphs.num_row_replays)
     finally:
         llm.shutdown()  # frees the KV cache and the graphs before the next engine
 
@@ -396,3 +506,51 @@ def test_static_path_without_capture_matches_graphs_on_gpu(tiny_model_factory):
         assert llm.llm_engine.runner.decode_graphs.num_replays > 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_verification_graphs_match_eager(method, tiny_model_factory):
+    """Speculative verification steps replayed from graphs of 4-token rows, against the
+    same engine run eagerly."""
+    path = str(tiny_model_factory("llama"))
+    gen = torch.Generator().manual_seed(8)
+    rounds = [
+        [
+            {"prompt_token_ids": torch.randint(3, 49000, (n,), generator=gen).tolist() * 4}
+            for n in (4, 7, 9, 12, 5)
+        ]
+    ]
+    spec = (
+        dict(spec_method="ngram", spec_tokens=3, prompt_lookup_max=3)
+        if method == "ngram"
+        else dict(spec_model=path, spec_tokens=3)
+    )
+    eager, graph = _run_both(
+        path, "float32", rounds, _greedy(max_tokens=32), max_num_seqs=16, **spec
+    )
+    assert graph.num_row_replays > 0
+    _assert_same_greedy(graph.outputs[0], eager.outputs[0], "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tensor_parallel_graphs_match_eager(dtype, tiny_model_factory):
+    """TP=2 over NCCL with every rank replaying its graphs (all-reduces inside), against
+    TP=2 run eagerly."""
+    rounds = [_prompts(n, shared=24, seed=9) for n in (3, 17)]
+    eager, graph = _run_both(
+        tiny_model_factory("llama"),
+        dtype,
+        rounds,
+        _greedy(max_tokens=24),
+        max_num_seqs=32,
+        tensor_parallel_size=2,
+    )
+    assert graph.graph_sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert graph.num_replays > 0
+    for g, e in zip(graph.outputs, eager.outputs, strict=True):
+        _assert_same_greedy(g, e, dtype)
