@@ -10,7 +10,9 @@ are equal bit for bit:
     values = clamp(x / scale, -448, 448).to(float8_e4m3fn)  # true division, then RNE cast
 
 The scale multiplies by the reciprocal, as PyTorch on CUDA does for `t / 448.0` (a tensor
-divided by a Python number), so the rule is the same on every device.
+divided by a Python number), so the rule is the same on every device. On the GPU the cast
+is the hardware's (round to nearest even); under Triton's CPU interpreter, whose own fp8
+cast rounds differently, the kernel rounds in integer arithmetic (`_e4m3fn_bits`).
 """
 
 from __future__ import annotations
