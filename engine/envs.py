@@ -54,3 +54,21 @@ def tp_timeout_s() -> float:
     engine's own calls, or to join a collective before it counts as failed (default 600)."""
     value = os.environ.get("BATCHLM_TP_TIMEOUT_S")
     return float(value) if value else 600.0
+
+
+def tokenize_workers() -> int | None:
+    """BATCHLM_TOKENIZE_WORKERS: processes that tokenize large pooling calls (embed, classify,
+    encode of at least two tokenization chunks of prompts).
+
+    Unset or `auto` (None): decided by the machine (CUDA, more than two usable cores). `0`
+    keeps tokenization in process; N >= 1 starts N workers on any device and core count.
+    """
+    value = os.environ.get("BATCHLM_TOKENIZE_WORKERS", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit():
+        raise ValueError(
+            f"BATCHLM_TOKENIZE_WORKERS={value!r} must be 'auto', 0 (off) or a number of worker "
+            "processes"
+        )
+    return int(value)

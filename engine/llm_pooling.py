@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import os
+import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import envs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
 from .inputs import PromptType, check_text, normalize_prompts
 from .outputs import (
@@ -24,20 +29,29 @@ from .outputs import (
     ScoringRequestOutput,
 )
 from .pooling_params import PoolingParams
+from .tokenize_pool import EncodedTexts, TokenizePool, TokenizePoolError
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
-    from .worker.pooling_runner import PoolingInput, PoolingRunner
+    from .worker.pooling_runner import PackedInputs, PoolingRunner
 
+logger = logging.getLogger(__name__)
 
-# On CUDA, calls with more prompts than twice this are tokenized a chunk ahead of the device.
+# On CUDA, calls with more prompts than twice this are tokenized a chunk ahead of the device
+# (and by the tokenizer worker processes, where they are on).
 _TOKENIZE_CHUNK = 16384
+# Automatic tokenizer workers: one per usable core beyond the two that the engine's own
+# threads keep busy, at most this many (more would not keep up with the device any better).
+_MAX_AUTO_TOKENIZE_WORKERS = 8
 
 
 class PoolingMixin:
     """`LLM`'s pooling methods; they need `llm_engine`, `_next_id` and `_require_tokenizer`."""
 
     llm_engine: LLMEngine
+    _tokenize_pool: TokenizePool | None = None
+    _tokenize_pool_finalizer: weakref.finalize | None = None
+    _is_tokenize_pool_failed: bool = False
 
     def _next_id(self) -> str:  # provided by LLM
         raise NotImplementedError
@@ -69,8 +83,8 @@ class PoolingMixin:
             )
             self._record_pooling(inputs, start)
             return [
-                EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), x.token_ids)
-                for v, x in zip(vectors, inputs, strict=True)
+                EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), ids)
+                for v, ids in zip(vectors, inputs.prompt_token_ids(), strict=True)
             ]
 
     def classify(
@@ -89,10 +103,8 @@ class PoolingMixin:
             )
         self._record_pooling(inputs, start)
         return [
-            ClassificationRequestOutput(
-                self._next_id(), ClassificationOutput(p.tolist()), x.token_ids
-            )
-            for p, x in zip(probs, inputs, strict=True)
+            ClassificationRequestOutput(self._next_id(), ClassificationOutput(p.tolist()), ids)
+            for p, ids in zip(probs, inputs.prompt_token_ids(), strict=True)
         ]
 
     def score(
@@ -108,7 +120,7 @@ class PoolingMixin:
         A cross-encoder (a classifier with one label) reads each pair together and applies
         its sigmoid; an embedding model scores the cosine of the two embeddings.
         """
-        from .worker.pooling_runner import PoolingInput
+        from .worker.pooling_runner import PackedInputs
 
         start = time.perf_counter()
         runner = self._pooling_runner("score", None)
@@ -129,14 +141,15 @@ class PoolingMixin:
                 max_length=max_len,
             )
             types = encoded.get("token_type_ids")
-            inputs = [
-                PoolingInput(list(ids), list(types[i]) if types is not None else None)
-                for i, ids in enumerate(encoded["input_ids"])
-            ]
-            for i, x in enumerate(inputs):
-                self._check_pooling_input(i, x.token_ids, check_ids=False)
+            token_lists = [list(ids) for ids in encoded["input_ids"]]
+            for i, ids in enumerate(token_lists):
+                self._check_pooling_input(i, ids, check_ids=False)
+            inputs = PackedInputs.from_lists(
+                token_lists, [list(t) for t in types] if types is not None else None
+            )
             values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
             self._record_pooling(inputs, start)
+            query_ids = inputs.prompt_token_ids()
         else:
             texts = list(dict.fromkeys([*left, *right]))
             text_inputs, _ = self._pooling_inputs(texts, None, truncate_prompt_tokens)
@@ -144,11 +157,11 @@ class PoolingMixin:
             vectors = dict(zip(texts, runner.embed(text_inputs, unit), strict=True))
             self._record_pooling(text_inputs, start)
             values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
-            by_text = dict(zip(texts, text_inputs, strict=True))
-            inputs = [by_text[a] for a in left]  # the query side's tokens
+            by_text = dict(zip(texts, text_inputs.prompt_token_ids(), strict=True))
+            query_ids = [by_text[a] for a in left]  # the query side's tokens
         return [
-            ScoringRequestOutput(self._next_id(), ScoringOutput(v), x.token_ids)
-            for v, x in zip(values, inputs, strict=True)
+            ScoringRequestOutput(self._next_id(), ScoringOutput(v), ids)
+            for v, ids in zip(values, query_ids, strict=True)
         ]
 
     def encode(
@@ -174,23 +187,23 @@ class PoolingMixin:
             run = runner.classify
         else:
 
-            def run(inputs: list[PoolingInput], params: list[PoolingParams]) -> list[Any]:
+            def run(inputs: PackedInputs, params: list[PoolingParams]) -> list[Any]:
                 return runner.token_embed(inputs)
 
         with _gc_paused():
             inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
         self._record_pooling(inputs, start)
         return [
-            PoolingRequestOutput(self._next_id(), PoolingOutput(d), x.token_ids)
-            for d, x in zip(data, inputs, strict=True)
+            PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
+            for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
         ]
 
-    def _record_pooling(self, inputs: list[PoolingInput], start: float) -> None:
+    def _record_pooling(self, inputs: PackedInputs, start: float) -> None:
         """Count a finished pooling call in the metrics (each input is one request)."""
         metrics = self.llm_engine.metrics
         if metrics is not None:
             elapsed = time.perf_counter() - start
-            metrics.record_pooling([len(x.token_ids) for x in inputs], elapsed)
+            metrics.record_pooling(inputs.lens.tolist(), elapsed)
 
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
         if self.llm_engine.is_shut_down:
@@ -238,15 +251,21 @@ class PoolingMixin:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         truncate_prompt_tokens: int | None,
-        run: Callable[[list[PoolingInput], list[PoolingParams]], list[Any]],
-    ) -> tuple[list[PoolingInput], list[Any]]:
+        run: Callable[[PackedInputs, list[PoolingParams]], list[Any]],
+    ) -> tuple[PackedInputs, list[Any]]:
         """Tokenizes the prompts and runs `run` over them; returns the inputs and results.
 
         On CUDA a large call is cut into chunks: a helper thread tokenizes the next chunk
-        (the Rust tokenizer releases the GIL) while the device runs the current one.
+        (the Rust tokenizer releases the GIL) while the device runs the current one. Where
+        the tokenizer worker processes are on, that thread hands each chunk's texts to them.
         """
+        from .worker.pooling_runner import PackedInputs
+
         n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 1
         chunk = self._tokenize_chunk_size()
+        pool = self._tokenize_pool_for(n, chunk or _TOKENIZE_CHUNK)
+        if pool is not None and chunk is None:
+            chunk = _TOKENIZE_CHUNK
         if chunk is None or n <= 2 * chunk:
             inputs, params = self._pooling_inputs(prompts, pooling_params, truncate_prompt_tokens)
             return inputs, run(inputs, params)
@@ -260,27 +279,70 @@ class PoolingMixin:
             explicit = {p.truncate_prompt_tokens for p in pooling_params} - {None}
             truncate = max(explicit) if explicit else None
 
-        def prepare(start: int) -> tuple[list[PoolingInput], list[PoolingParams]]:
+        def prepare(start: int) -> tuple[PackedInputs, list[PoolingParams]]:
             end = min(start + chunk, n)
             chunk_params = pooling_params[start:end] if per_prompt else pooling_params
-            return self._pooling_inputs(prompts[start:end], chunk_params, truncate, start)
+            return self._pooling_inputs(prompts[start:end], chunk_params, truncate, start, pool)
 
-        inputs: list[PoolingInput] = []
+        parts: list[PackedInputs] = []
         results: list[Any] = []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchlm-tokenize") as pool:
-            future = pool.submit(prepare, 0)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchlm-tokenize") as helper:
+            future = helper.submit(prepare, 0)
             for start in range(0, n, chunk):
                 chunk_inputs, chunk_params = future.result()
                 if start + chunk < n:
-                    future = pool.submit(prepare, start + chunk)
-                inputs.extend(chunk_inputs)
+                    future = helper.submit(prepare, start + chunk)
+                parts.append(chunk_inputs)
                 results.extend(run(chunk_inputs, chunk_params))
-        return inputs, results
+        return PackedInputs.concat(parts), results
 
     def _tokenize_chunk_size(self) -> int | None:
         """Prompts per tokenization chunk, or None to tokenize a call at once (CPU: the
         tokenizer would compete with the model for the same cores)."""
         return _TOKENIZE_CHUNK if self.llm_engine.config.device.device.type == "cuda" else None
+
+    def _tokenize_pool_for(self, num_prompts: int, chunk: int) -> TokenizePool | None:
+        """The tokenizer worker processes for a call of `num_prompts`, started on first use,
+        or None where they do not pay: calls of at most two chunks (the in-process tokenizer
+        is done before workers would have started), at most two usable cores, CPU models
+        (whose forward needs every core) unless BATCHLM_TOKENIZE_WORKERS asks for them, and
+        tokenizers without a serialisable Rust backend."""
+        if num_prompts <= 2 * chunk or self._is_tokenize_pool_failed:
+            return None
+        if self._tokenize_pool is not None:
+            return self._tokenize_pool
+        num_workers = envs.tokenize_workers()
+        if num_workers is None:
+            is_cuda = self.llm_engine.config.device.device.type == "cuda"
+            num_workers = min(_usable_cores() - 2, _MAX_AUTO_TOKENIZE_WORKERS) if is_cuda else 0
+        backend = getattr(self.llm_engine.tokenizer, "backend_tokenizer", None)
+        if num_workers < 1 or not sys.executable or not hasattr(backend, "encode_batch"):
+            return None
+        try:
+            tokenizer_json = backend.to_str()
+        except Exception:  # e.g. a custom Python pre-tokenizer cannot be serialised
+            return None
+        try:
+            pool = TokenizePool(tokenizer_json, num_workers)
+        except TokenizePoolError as e:
+            self._drop_tokenize_pool(e)
+            return None
+        self._tokenize_pool = pool
+        # Workers end with the LLM: on shutdown(), when it is garbage collected, or at exit.
+        self._tokenize_pool_finalizer = weakref.finalize(self, pool.close)
+        return pool
+
+    def _drop_tokenize_pool(self, error: Exception) -> None:
+        """Stop using the worker processes after `error`: later calls tokenize in process."""
+        logger.warning("tokenizing in process from now on: %s", error)
+        self._is_tokenize_pool_failed = True
+        self._shutdown_pooling()
+
+    def _shutdown_pooling(self) -> None:
+        """End the tokenizer worker processes (idempotent); `LLM.shutdown` calls this."""
+        if self._tokenize_pool_finalizer is not None:
+            self._tokenize_pool_finalizer()
+        self._tokenize_pool = None
 
     def _pooling_inputs(
         self,
@@ -288,8 +350,11 @@ class PoolingMixin:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         truncate_prompt_tokens: int | None,
         index_offset: int = 0,
-    ) -> tuple[list[PoolingInput], list[PoolingParams]]:
-        from .worker.pooling_runner import PoolingInput
+        pool: TokenizePool | None = None,
+    ) -> tuple[PackedInputs, list[PoolingParams]]:
+        """The prompts tokenized, truncated and checked, with one params per prompt; errors
+        name prompts by their index plus `index_offset`. Texts go to `pool` when given."""
+        from .worker.pooling_runner import PackedInputs
 
         prompt_dicts = normalize_prompts(prompts)
         n = len(prompt_dicts)
@@ -312,28 +377,54 @@ class PoolingMixin:
             (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
         ]
         ids: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
+        packed: PackedInputs | None = None
         if texts:
             tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
-            runner = self.llm_engine.pooling_runner
-            batch = [t.lower() if runner.do_lower_case else t for _, t in texts]
-            encoded = _encode_batch(tokenizer, batch, max_len)
-            for (i, _), tokens in zip(texts, encoded, strict=True):
-                ids[i] = tokens
+            lower = self.llm_engine.pooling_runner.do_lower_case
+            flat = None
+            if pool is not None:
+                flat = self._encode_in_pool(pool, [t for _, t in texts], max_len, lower)
+            if flat is not None and len(texts) == n:
+                packed = PackedInputs.from_lens(flat.token_ids, flat.lens)
+            else:
+                if flat is not None:
+                    views = PackedInputs.from_lens(flat.token_ids, flat.lens).prompt_token_ids()
+                    encoded = [v.tolist() for v in views]
+                else:
+                    batch = [t.lower() if lower else t for _, t in texts]
+                    encoded = _encode_batch(tokenizer, batch, max_len)
+                for (i, _), tokens in zip(texts, encoded, strict=True):
+                    ids[i] = tokens
         if len(texts) < n:  # token-id prompts: cut and check one by one
             for i, p in enumerate(prompt_dicts):
                 if "prompt_token_ids" in p:
                     if truncate is not None and max_len is not None:
                         ids[i] = ids[i][-max_len:]
                     self._check_pooling_input(i + index_offset, ids[i])
+        if packed is None:
+            packed = PackedInputs.from_lists(ids)  # type: ignore[arg-type]
         # Ids the tokenizer produced are in the vocabulary by construction; their lengths
         # are checked at once.
-        lens = np.fromiter(map(len, ids), np.int64, n)
+        lens = packed.lens
         model_max = self.llm_engine.config.model.max_model_len
         bad = np.flatnonzero((lens == 0) | (lens > model_max))
         if len(bad):
             i = int(bad[0])
-            self._check_pooling_input(i + index_offset, ids[i], check_ids=False)
-        return [PoolingInput(tokens) for tokens in ids], params
+            bad_ids = packed.token_ids[packed.offsets[i] : packed.offsets[i + 1]].tolist()
+            self._check_pooling_input(i + index_offset, bad_ids, check_ids=False)
+        return packed, params
+
+    def _encode_in_pool(
+        self, pool: TokenizePool, texts: list[str], max_len: int | None, lower: bool
+    ) -> EncodedTexts | None:
+        """`texts` tokenized by the worker processes, or None (and the workers stopped for
+        good) when one of them failed: the caller then tokenizes in process, which gives
+        the same ids or raises the tokenizer's own error."""
+        try:
+            return pool.encode(texts, max_len, lower)
+        except TokenizePoolError as e:
+            self._drop_tokenize_pool(e)
+            return None
 
     def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:
         max_len = self.llm_engine.config.model.max_model_len
@@ -383,6 +474,13 @@ def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):
             "against many (1 and N) or equal-length lists (N and N)"
         )
     return left, right
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

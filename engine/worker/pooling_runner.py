@@ -7,7 +7,7 @@ padding into batches under the token budget, run once, pooled, and returned in i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,113 @@ class PoolingInput:
 
     token_ids: list[int]
     token_type_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class PackedInputs:
+    """Many tokenized inputs back to back, with no Python object per input.
+
+    Input i is `token_ids[offsets[i]:offsets[i + 1]]`. Ids arrive this way from the
+    tokenizer worker processes, and the runner packs its batches from here with one gather.
+    """
+
+    token_ids: np.ndarray
+    """[num_tokens] int32 or int64."""
+    offsets: np.ndarray
+    """[num_inputs + 1] int64, from 0 to num_tokens."""
+    token_type_ids: np.ndarray | None = None
+    """[num_tokens] int64 segment ids (pairs of a cross-encoder), or None for all zeros."""
+    lists: list[list[int]] | None = None
+    """The same ids as one list per input, where they were made that way (the in-process
+    tokenizer, token-id prompts): outputs reuse them instead of slicing `token_ids`."""
+
+    @classmethod
+    def from_lens(cls, token_ids: np.ndarray, lens: np.ndarray) -> PackedInputs:
+        """Flat ids and the number of ids of each input."""
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return cls(token_ids, offsets)
+
+    @classmethod
+    def from_lists(
+        cls, ids: list[list[int]], types: list[list[int] | None] | None = None
+    ) -> PackedInputs:
+        """One list of ids (and optionally of segment ids) per input."""
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        packed = cls.from_lens(
+            np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lens.sum())), lens
+        )
+        packed.lists = ids
+        if types is not None and any(t is not None for t in types):
+            packed.token_type_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    t if t is not None else [0] * len(x) for x, t in zip(ids, types, strict=True)
+                ),
+                np.int64,
+                len(packed.token_ids),
+            )
+        return packed
+
+    @classmethod
+    def of(cls, inputs: PackedInputs | Sequence[PoolingInput]) -> PackedInputs:
+        if isinstance(inputs, PackedInputs):
+            return inputs
+        return cls.from_lists([x.token_ids for x in inputs], [x.token_type_ids for x in inputs])
+
+    @classmethod
+    def concat(cls, parts: Sequence[PackedInputs]) -> PackedInputs:
+        """The inputs of `parts`, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        bases = np.cumsum([0] + [len(p.token_ids) for p in parts[:-1]])  # tokens before each
+        offsets = np.concatenate(
+            [np.zeros(1, np.int64)]
+            + [p.offsets[1:] + base for p, base in zip(parts, bases, strict=True)]
+        )
+        types = None
+        if any(p.token_type_ids is not None for p in parts):
+            types = np.concatenate(
+                [
+                    p.token_type_ids
+                    if p.token_type_ids is not None
+                    else np.zeros(len(p.token_ids), np.int64)
+                    for p in parts
+                ]
+            )
+        lists = None
+        if all(p.lists is not None for p in parts):
+            lists = list(itertools.chain.from_iterable(p.lists for p in parts))  # type: ignore[arg-type]
+        ids = np.concatenate([p.token_ids for p in parts])
+        return cls(ids, offsets, types, lists)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lens(self) -> np.ndarray:
+        """[num_inputs] int64: the number of ids of each input."""
+        return np.diff(self.offsets)
+
+    def prompt_token_ids(self) -> list[list[int]] | list[np.ndarray]:
+        """Each input's ids for its output: the list where there is one, else a view of
+        `token_ids` that the output turns into a list when it is read (most callers of a
+        large embed call never read them, and 100k lists cost more than the forward)."""
+        if self.lists is not None:
+            return self.lists
+        ids, bounds = self.token_ids, self.offsets.tolist()
+        return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def gather(
+        self, rows: np.ndarray, lens: np.ndarray, cu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The inputs `rows` packed back to back: ids, positions and segment ids, each
+        `[num_tokens]` int64, where `lens` are their lengths and `cu` their cumulative ones."""
+        num_tokens = int(cu[-1])
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
+        index = positions + np.repeat(self.offsets[rows], lens)
+        ids = self.token_ids[index].astype(np.int64, copy=False)
+        types = self.token_type_ids[index] if self.token_type_ids is not None else None
+        return ids, positions, types
 
 
 class PoolingRunner:
@@ -70,14 +177,16 @@ class PoolingRunner:
 
     # ---- batching ---------------------------------------------------------------------
 
-    def _batches(self, inputs: list[PoolingInput]) -> Iterator[tuple[list[int], np.ndarray]]:
+    def _batches(
+        self, inputs: PackedInputs | Sequence[PoolingInput]
+    ) -> Iterator[tuple[list[int], np.ndarray]]:
         """Index groups of similar length under the token and sequence budgets, longest
         first, with their lengths."""
         budget = self.config.scheduler.max_num_batched_tokens
         if self.device.type == "cpu":
             budget = min(budget, CPU_MAX_TOKENS_PER_FORWARD)
         max_seqs = self.config.scheduler.max_num_seqs
-        lens = np.fromiter((len(x.token_ids) for x in inputs), np.int64, len(inputs))
+        lens = PackedInputs.of(inputs).lens
         order = np.argsort(-lens, kind="stable")
         sorted_lens = lens[order]
         cum = np.cumsum(sorted_lens)  # tokens of the first k + 1 sorted inputs
@@ -92,7 +201,7 @@ class PoolingRunner:
 
     @torch.inference_mode()
     def _hidden(
-        self, inputs: list[PoolingInput], batch: list[int], lens: np.ndarray, has_types: bool
+        self, inputs: PackedInputs, batch: list[int], lens: np.ndarray
     ) -> tuple[torch.Tensor, VarlenPlan]:
         """Packed forward of one batch: `[T, hidden]` and the plan (cumulative lengths).
 
@@ -102,20 +211,7 @@ class PoolingRunner:
         cu = np.zeros(len(batch) + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        # C-level flattening: no per-token Python work.
-        ids = np.fromiter(
-            itertools.chain.from_iterable(inputs[i].token_ids for i in batch), np.int64, num_tokens
-        )
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
-        types = None
-        if has_types:
-            types = np.fromiter(
-                itertools.chain.from_iterable(
-                    inputs[i].token_type_ids or [0] * len(inputs[i].token_ids) for i in batch
-                ),
-                np.int64,
-                num_tokens,
-            )
+        ids, positions, types = inputs.gather(np.asarray(batch, np.int64), lens, cu)
         dev = self.device
         cu_list = cu.tolist()
         if dev.type == "cpu":
@@ -134,11 +230,11 @@ class PoolingRunner:
         return hidden, plan
 
     def _pooled(
-        self, inputs: list[PoolingInput], pooling_type: str
+        self, inputs: PackedInputs | Sequence[PoolingInput], pooling_type: str
     ) -> Iterator[tuple[list[int], torch.Tensor | list[torch.Tensor]]]:
-        has_types = any(x.token_type_ids is not None for x in inputs)
-        for batch, lens in self._batches(inputs):
-            hidden, plan = self._hidden(inputs, batch, lens, has_types)
+        packed = PackedInputs.of(inputs)
+        for batch, lens in self._batches(packed):
+            hidden, plan = self._hidden(packed, batch, lens)
             yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:
@@ -154,7 +250,10 @@ class PoolingRunner:
 
     @torch.inference_mode()
     def embed(
-        self, inputs: list[PoolingInput], params: list[PoolingParams], as_lists: bool = False
+        self,
+        inputs: PackedInputs | Sequence[PoolingInput],
+        params: list[PoolingParams],
+        as_lists: bool = False,
     ) -> list[torch.Tensor] | list[list[float]]:
         """One float32 vector per input (normalised / truncated per its params): CPU tensors,
         or Python lists when `as_lists` (converted a batch at a time)."""
@@ -205,7 +304,7 @@ class PoolingRunner:
 
     @torch.inference_mode()
     def classify(
-        self, inputs: list[PoolingInput], params: list[PoolingParams]
+        self, inputs: PackedInputs | Sequence[PoolingInput], params: list[PoolingParams]
     ) -> list[torch.Tensor]:
         """Class probabilities per input (softmax; sigmoid for a single label)."""
         if self.num_labels is None:
@@ -233,7 +332,7 @@ class PoolingRunner:
             finish(*pending)
         return out  # type: ignore[return-value]
 
-    def token_embed(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+    def token_embed(self, inputs: PackedInputs | Sequence[PoolingInput]) -> list[torch.Tensor]:
         """Per-token final hidden states `[len, hidden]` per input."""
         out: list[torch.Tensor | None] = [None] * len(inputs)
         for batch, pooled in self._pooled(inputs, PoolingType.ALL):

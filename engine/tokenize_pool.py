@@ -1,0 +1,229 @@
+"""Tokenization of large pooling calls in worker processes, returned as flat numpy arrays.
+
+In one process, a large embed call spends more host time tokenizing than the device spends
+encoding: the Rust tokenizer is parallel, but turning each `Encoding` into a Python list holds
+the GIL. A `TokenizePool` splits each batch of texts over worker processes that answer with
+two flat arrays (int32 ids, int32 lengths), so the parent builds no per-text list at all.
+
+Workers are fresh interpreters started with `subprocess` (fork + exec, as multiprocessing's
+spawn does: nothing of the parent's CUDA context or tokenizer threads is inherited) that run
+this file as a script. Unlike a multiprocessing pool they do not re-import the user's
+`__main__` (a script without a main guard would build its LLM again in every worker) nor
+`batchlm.engine` (torch and transformers: seconds and hundreds of MB per worker); they import
+numpy and tokenizers only, which is why this file imports nothing from batchlm.
+
+Messages are pickles of builtin types and numpy arrays over each worker's stdin / stdout:
+`{"tokenizer_json": str}` once, answered by `("ready", pid)`; then per batch
+`(texts, max_len, lower)`, answered by `("ok", ids, lens)` or `("error", message)`. A worker
+exits when its stdin closes, so none outlives the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
+
+# Fewer texts than this per worker cost more in messaging than they save.
+_MIN_TEXTS_PER_WORKER = 256
+# How long a closing worker may take to finish its batch before it is killed.
+_EXIT_TIMEOUT_S = 5.0
+# Runs this file as `__main__` without putting its folder (engine/) on sys.path, where
+# modules such as `config` or `inputs` would shadow top-level ones.
+_BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+_UNSET = object()
+
+
+class EncodedTexts(NamedTuple):
+    """Token ids of a batch of texts, back to back."""
+
+    token_ids: np.ndarray
+    """[num_tokens] int32: text i's ids follow text i - 1's."""
+    lens: np.ndarray
+    """[num_texts] int32: the number of ids of each text."""
+
+
+class TokenizePoolError(RuntimeError):
+    """A worker failed; the caller tokenizes in process instead."""
+
+
+class TokenizePool:
+    """Worker processes that tokenize with one `tokenizers.Tokenizer`.
+
+    Args:
+        tokenizer_json: The tokenizer serialised by `Tokenizer.to_str()`; each worker loads it
+            with `Tokenizer.from_str`, so it tokenizes exactly as the parent's tokenizer does.
+        num_workers: Processes to start (each single-threaded).
+
+    Example:
+        >>> pool = TokenizePool(hf_tokenizer.backend_tokenizer.to_str(), num_workers=4)
+        >>> encoded = pool.encode(texts, max_len=256, lower=False)
+        >>> pool.close()
+    """
+
+    def __init__(self, tokenizer_json: str, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._is_ready = False
+        self._is_closed = False
+        # One thread per worker: the rayon pool of a worker would only compete with the others.
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        try:
+            for _ in range(num_workers):
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _BOOT, os.path.abspath(__file__)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        env=env,
+                    )
+                )
+            # Every worker is already importing while the first one reads its tokenizer.
+            for proc in self._procs:
+                _send(proc.stdin, {"tokenizer_json": tokenizer_json})
+        except (OSError, ValueError) as e:
+            self.close()
+            raise TokenizePoolError(f"could not start tokenizer workers: {e}") from e
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids."""
+        return [proc.pid for proc in self._procs]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._procs)
+
+    def encode(self, texts: list[str], max_len: int | None, lower: bool) -> EncodedTexts:
+        """Token ids of `texts` with special tokens, right-truncated to `max_len`, as the
+        tokenizer's `encode_batch` gives them (lowercased first when `lower`).
+
+        The texts are cut into one contiguous piece per worker and the answers concatenated
+        in order. Thread-safe (one batch at a time).
+
+        Raises:
+            TokenizePoolError: a worker raised (the pool stays usable) or died (the pool is
+                closed).
+        """
+        with self._lock:
+            if self._is_closed:
+                raise TokenizePoolError("the tokenizer pool is closed")
+            num_pieces = max(1, min(len(self._procs), len(texts) // _MIN_TEXTS_PER_WORKER))
+            bounds = [len(texts) * j // num_pieces for j in range(num_pieces + 1)]
+            procs = self._procs[:num_pieces]
+            try:
+                if not self._is_ready:
+                    for proc in self._procs:
+                        _expect_ready(proc)
+                    self._is_ready = True
+                for j, proc in enumerate(procs):
+                    _send(proc.stdin, (texts[bounds[j] : bounds[j + 1]], max_len, lower))
+                replies = [_recv(proc.stdout) for proc in procs]
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+                codes = [proc.poll() for proc in self._procs]
+                self.close()
+                raise TokenizePoolError(
+                    f"a tokenizer worker process failed ({type(e).__name__}: {e}; "
+                    f"exit codes {codes})"
+                ) from e
+        errors = [reply[1] for reply in replies if reply[0] != "ok"]
+        if errors:
+            raise TokenizePoolError(f"a tokenizer worker raised {errors[0]}")
+        if num_pieces == 1:
+            return EncodedTexts(replies[0][1], replies[0][2])
+        return EncodedTexts(
+            np.concatenate([reply[1] for reply in replies]),
+            np.concatenate([reply[2] for reply in replies]),
+        )
+
+    def close(self) -> None:
+        """Ends every worker (idempotent): closing its stdin lets it exit after the batch it
+        is on; one still running after a few seconds is killed."""
+        self._is_closed = True
+        for proc in self._procs:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdout.close()
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    pickle.dump(message, stream, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.flush()
+
+
+def _recv(stream: BinaryIO) -> Any:
+    return pickle.load(stream)
+
+
+def _expect_ready(proc: subprocess.Popen) -> None:
+    reply = _recv(proc.stdout)
+    if not (isinstance(reply, tuple) and reply[0] == "ready"):
+        raise ValueError(f"unexpected first message from worker {proc.pid}: {reply!r:.200}")
+
+
+def encode_flat(encode: Any, texts: list[str], lower: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`encode(texts)` (a `Tokenizer.encode_batch*`) as flat int32 ids and int32 lengths."""
+    if lower:
+        texts = [t.lower() for t in texts]
+    encodings = encode(texts, add_special_tokens=True)
+    lens = np.fromiter(map(len, encodings), np.int32, len(encodings))
+    ids = np.fromiter(
+        itertools.chain.from_iterable(e.ids for e in encodings), np.int32, int(lens.sum())
+    )
+    return ids, lens
+
+
+def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    """A worker's loop: load the tokenizer, then answer batches until stdin closes."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(_recv(requests)["tokenizer_json"])
+    tokenizer.no_padding()
+    # `encode_batch_fast` (tokenizers >= 0.21) skips the character offsets.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    _send(replies, ("ready", os.getpid()))
+    truncation: object = _UNSET
+    while True:
+        try:
+            texts, max_len, lower = _recv(requests)
+        except EOFError:
+            return
+        try:
+            if max_len != truncation:
+                if max_len is None:
+                    tokenizer.no_truncation()
+                else:
+                    tokenizer.enable_truncation(max_len)
+                truncation = max_len
+            reply: tuple = ("ok", *encode_flat(encode, texts, lower))
+        except Exception as e:  # reported to the parent, which tokenizes in process instead
+            reply = ("error", f"{type(e).__name__}: {e}")
+        _send(replies, reply)
+
+
+if __name__ == "__main__":
+    # Ctrl-C reaches the whole process group: the parent decides, and closes our stdin.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Replies get their own descriptor; anything a library prints goes to stderr instead.
+    _replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, _replies)
