@@ -107,6 +107,7 @@ class LLM(PoolingMixin):
         (idempotent; also runs when the LLM is garbage collected or at exit). The LLM
         cannot be used afterwards."""
         self._finalizer()
+        self._shutdown_pooling()
 
     def _check_open(self) -> None:
         if self.llm_engine.is_shut_down:
