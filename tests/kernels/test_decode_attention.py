@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from batchlm.kernels.decode_attention import (
+    DecodeLaunch,
+    choose_launch,
     choose_num_splits,
     decode_attention,
     decode_attention_ref,
@@ -155,3 +157,121 @@ def test_splits_per_sequence_match_reference(seq_lens, num_splits, sliding_windo
     )
     ref = decode_attention_ref(*args, sliding_window=sliding_window)
     assert_close(out, ref, ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("block_n", "num_warps", "num_stages", "num_splits", "split_each_seq", "sliding_window"),
+    [
+        (16, 2, 1, 1, False, None),
+        (32, 8, 2, 2, False, 37),
+        (128, 4, 4, 1, False, None),
+        (16, 4, 3, 4, True, 37),
+        (128, 8, 1, 3, True, None),
+        (32, 2, 2, 3, True, 37),
+    ],
+)
+@pytest.mark.parametrize("align_tiles_to_blocks", [False, True])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_launch_overrides_match_reference(
+    block_n,
+    num_warps,
+    num_stages,
+    num_splits,
+    split_each_seq,
+    align_tiles_to_blocks,
+    block_size,
+    sliding_window,
+    device,
+):
+    """Every launch configuration computes the same attention (the interpreter ignores warps
+    and stages; on CUDA they are compiled)."""
+    seq_lens = [1, 30, 77, 200]
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, block_size, NUM_KV_HEADS, 64, torch.float32, device
+    )
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(len(seq_lens), NUM_KV_HEADS * 4, 64, generator=gen).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, 0.125)
+    out = decode_attention(
+        *args,
+        max_seq_len=4096 if split_each_seq else max(seq_lens),
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        split_each_seq=split_each_seq,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        align_tiles_to_blocks=align_tiles_to_blocks,
+    )
+    ref = decode_attention_ref(*args, sliding_window=sliding_window)
+    assert_close(out, ref, ATTENTION_TOLERANCE)
+
+
+def test_default_launch_is_unchanged():
+    cpu = torch.device("cpu")
+    bf16 = choose_launch(torch.bfloat16, 128, 256, 8, 16, 768, cpu)
+    assert bf16 == DecodeLaunch(
+        block_n=64, num_warps=4, num_stages=3, num_splits=1, partition_size=768, ids_per_tile=0
+    )
+    assert choose_launch(torch.float32, 128, 256, 8, 16, 768, cpu).block_n == 32
+    assert choose_launch(torch.bfloat16, 256, 256, 8, 16, 768, cpu).block_n == 32
+    # A smaller tile keeps the default's partitions; a larger one rounds them up to itself.
+    small = choose_launch(torch.bfloat16, 128, 1, 8, 16, 1000, cpu, num_splits=3, block_n=16)
+    assert (small.num_splits, small.partition_size) == (3, 384)
+    large = choose_launch(torch.bfloat16, 128, 1, 8, 16, 1000, cpu, num_splits=3, block_n=256)
+    assert (large.num_splits, large.partition_size) == (2, 512)
+    per_seq = choose_launch(
+        torch.bfloat16, 128, 1, 8, 16, 4096, cpu, num_splits=64, split_each_seq=True
+    )
+    assert per_seq.num_splits == 64
+    aligned = choose_launch(
+        torch.bfloat16, 128, 1, 8, 32, 64, cpu, block_n=16, align_tiles_to_blocks=True
+    )
+    assert aligned.ids_per_tile == 1
+    assert (
+        choose_launch(
+            torch.bfloat16, 128, 1, 8, 16, 64, cpu, block_n=128, align_tiles_to_blocks=True
+        ).ids_per_tile
+        == 8
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(block_n=8), r"block_n=8 must be a power of two in \[16, 256\]"),
+        (dict(block_n=48), "block_n=48 must be a power of two"),
+        (dict(block_n=512), "block_n=512 must be a power of two"),
+        (dict(block_n=64.0), "block_n=64.0 must be a power of two"),
+        (dict(block_n=True), "block_n=True must be a power of two"),
+        (dict(num_warps=3), r"num_warps=3 must be a power of two in \[1, 16\]"),
+        (dict(num_warps=0), "num_warps=0 must be a power of two"),
+        (dict(num_warps=32), "num_warps=32 must be a power of two"),
+        (dict(num_stages=0), r"num_stages=0 must be an integer in \[1, 8\]"),
+        (dict(num_stages=9), "num_stages=9 must be an integer"),
+        (dict(num_stages="2"), "num_stages='2' must be an integer"),
+        (dict(num_splits=0), "num_splits=0 must be an integer >= 1"),
+        (dict(num_splits=1.5), "num_splits=1.5 must be an integer >= 1"),
+    ],
+)
+def test_launch_rejects_bad_overrides(overrides, message, device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    query = torch.randn(1, 4, 64, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, 1.0, 5)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(*args, **overrides)
+    with pytest.raises(ValueError, match=message):  # checked for an empty batch too
+        decode_attention(query[:0], key_cache, value_cache, block_tables[:0], lens[:0], 1.0, 5,
+                         **overrides)  # fmt: skip
+
+
+def test_aligned_tiles_need_a_power_of_two_block_size(device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 24, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    query = torch.randn(1, 4, 64, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, 1.0, 5)
+    with pytest.raises(ValueError, match="power-of-two cache block size, got block_size=24"):
+        decode_attention(*args, align_tiles_to_blocks=True)
+    assert_close(decode_attention(*args), decode_attention_ref(*args[:6]), ATTENTION_TOLERANCE)
