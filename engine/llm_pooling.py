@@ -309,9 +309,11 @@ class PoolingMixin:
         tokenizers without a serialisable Rust backend."""
         if num_prompts <= 2 * chunk or self._is_tokenize_pool_failed:
             return None
+        num_workers = envs.tokenize_workers()
+        if num_workers == 0:
+            return None
         if self._tokenize_pool is not None:
             return self._tokenize_pool
-        num_workers = envs.tokenize_workers()
         if num_workers is None:
             is_cuda = self.llm_engine.config.device.device.type == "cuda"
             num_workers = min(_usable_cores() - 2, _MAX_AUTO_TOKENIZE_WORKERS) if is_cuda else 0

@@ -78,6 +78,7 @@ class TokenizePool:
         self._lock = threading.Lock()
         self._is_ready = False
         self._is_closed = False
+        self._next_worker = 0  # batches of one piece go to each worker in turn
         # One thread per worker: the rayon pool of a worker would only compete with the others.
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         try:
@@ -110,8 +111,9 @@ class TokenizePool:
         """Token ids of `texts` with special tokens, right-truncated to `max_len`, as the
         tokenizer's `encode_batch` gives them (lowercased first when `lower`).
 
-        The texts are cut into one contiguous piece per worker and the answers concatenated
-        in order. Thread-safe (one batch at a time).
+        The texts are cut into contiguous pieces, one per worker (fewer for small batches,
+        which go to the workers in turn), and the answers concatenated in order. Thread-safe
+        (one batch at a time).
 
         Raises:
             TokenizePoolError: a worker raised (the pool stays usable) or died (the pool is
@@ -122,7 +124,9 @@ class TokenizePool:
                 raise TokenizePoolError("the tokenizer pool is closed")
             num_pieces = max(1, min(len(self._procs), len(texts) // _MIN_TEXTS_PER_WORKER))
             bounds = [len(texts) * j // num_pieces for j in range(num_pieces + 1)]
-            procs = self._procs[:num_pieces]
+            k = self._next_worker
+            procs = (self._procs[k:] + self._procs[:k])[:num_pieces]
+            self._next_worker = (k + num_pieces) % len(self._procs)
             try:
                 if not self._is_ready:
                     for proc in self._procs:
