@@ -13,7 +13,7 @@ W1: Llama-3.1-8B shape, 256 requests × 512 prompt tokens, 256 output tokens, gr
 W2: Qwen2.5-0.5B shape, 256 requests, prompt and output lengths uniform in [100, 1024],
     temperature 0.6; HF continuous batching (`generate_batch`) when `--baseline-w2`.
 W3: Llama-3.1-8B shape, batch 1, 32-token prompt, 256 output tokens; HF `generate`.
-W1-fp8: W1's batch in bf16 against fp8 (both batchlm).
+W1-fp8: W1's batch in bf16 against fp8, and fp8 with an fp8 KV cache (all batchlm).
 W3-ngram: batch 1, a copy-heavy prompt (the model made to copy, see `w3_ngram`), ngram
     speculation against none (both batchlm).
 W3-tp2: W3 with tensor_parallel_size=2 against 1 (both batchlm; 2 GPUs).
@@ -339,18 +339,24 @@ def w2(args, rec: Recorder, folder: Path) -> None:
 
 
 def w1_fp8(args, rec: Recorder, folder: Path) -> None:
-    """W1's batch in bf16 and with fp8 weights and activations, both batchlm, same run."""
+    """W1's batch in bf16, with fp8 weights and activations, and with those and an fp8 KV
+    cache, all batchlm, same run."""
     prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
     if not (folder / "config.json").exists():
         build_random_model(LLAMA_8B, folder)
         release()
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    variants = {
+        "bf16": {},
+        "fp8": dict(quantization="fp8"),
+        "fp8+kv": dict(quantization="fp8", kv_cache_dtype="fp8"),
+    }
     results = {}
-    for quantization in (None, "fp8"):
-        llm = make_llm(folder, args, max_num_seqs=256, quantization=quantization)
+    for name, options in variants.items():
+        llm = make_llm(folder, args, max_num_seqs=256, **options)
         run_batchlm(llm, prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
         secs, _ = run_batchlm(llm, prompts, params)
-        results[quantization] = 256 * 256 / secs
+        results[name] = 256 * 256 / secs
         del llm
         release()
     common = dict(
@@ -361,15 +367,18 @@ def w1_fp8(args, rec: Recorder, folder: Path) -> None:
         output_len=256,
         model="Llama-3.1-8B shape, random weights",
     )
-    rec.record(system="batchlm-bf16", value=round(results[None], 1), **common)
-    rec.record(
-        system="batchlm",
-        quantization="fp8",
-        value=round(results["fp8"], 1),
-        baseline_value=round(results[None], 1),
-        ratio=round(results["fp8"] / results[None], 3),
-        **common,
-    )
+    base = results["bf16"]
+    rec.record(system="batchlm-bf16", value=round(base, 1), **common)
+    for name, kv in (("fp8", "auto"), ("fp8+kv", "fp8")):
+        rec.record(
+            system="batchlm",
+            quantization="fp8",
+            kv_cache_dtype=kv,
+            value=round(results[name], 1),
+            baseline_value=round(base, 1),
+            ratio=round(results[name] / base, 3),
+            **common,
+        )
 
 
 def zero_attention_outputs(llm: LLM) -> None:
