@@ -1,16 +1,27 @@
-"""Profile `LLM.embed` on the W4 texts (host-side cProfile plus a CUDA-synchronised timer).
+"""Profile `LLM.embed` / `LLM.encode` on the W4 texts: wall time, the parent process's own CPU
+time, and a cProfile of the parent (tokenizer worker processes are not in it).
 
-python benchmarks/tools/profile_embed.py --num-texts 100000 --dtype float16
+    python benchmarks/tools/profile_embed.py --num-texts 100000 --dtype float16   # GPU
+    # The host's share alone (no forward), with and without tokenizer workers, on any machine:
+    python benchmarks/tools/profile_embed.py --num-texts 50000 --host-only --tokenize-workers 0
+    python benchmarks/tools/profile_embed.py --num-texts 50000 --host-only --tokenize-workers 2
+
+`--host-only` runs everything `encode` does in the parent except the model: tokenization
+(chunked, on the helper thread or the workers), length checks, the runner's batching and
+packing of ids, and one output object per text.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +29,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from w4_embed import make_texts, random_weight_model  # noqa: E402
 
 from batchlm.engine import LLM  # noqa: E402
+from batchlm.engine.outputs import PoolingOutput, PoolingRequestOutput  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_only(llm: LLM, texts: list[str]) -> list[PoolingRequestOutput]:
+    """`encode` without the forward: what the parent does per text."""
+    runner = llm.llm_engine.pooling_runner
+
+    def pack(inputs: Any, params: Any) -> list[None]:
+        for batch, lens in runner._batches(inputs):
+            cu = torch.zeros(len(batch) + 1, dtype=torch.int64).numpy()
+            cu[1:] = lens.cumsum()
+            inputs.gather(torch.tensor(batch).numpy(), lens, cu)
+        return [None] * len(inputs)
+
+    inputs, data = llm._run_chunked(texts, None, None, pack)
+    return [
+        PoolingRequestOutput(llm._next_id(), PoolingOutput(d), ids)
+        for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
+    ]
+
+
+def timed(name: str, fn: Callable[[], Any]) -> None:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    sync()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"{name}: {wall:.2f}s wall, {cpu:.2f}s CPU in the parent", flush=True)
 
 
 def main() -> None:
@@ -25,7 +68,13 @@ def main() -> None:
     ap.add_argument("--num-texts", type=int, default=100000)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    ap.add_argument(
+        "--tokenize-workers", default=None, help="BATCHLM_TOKENIZE_WORKERS (default: auto)"
+    )
+    ap.add_argument("--host-only", action="store_true", help="skip the model's forward")
     args = ap.parse_args()
+    if args.tokenize_workers is not None:
+        os.environ["BATCHLM_TOKENIZE_WORKERS"] = args.tokenize_workers
     texts = make_texts(args.num_texts)
     llm = LLM(
         random_weight_model(),
@@ -33,27 +82,32 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=4096,
     )
-    llm.embed(texts[:256], use_tqdm=False)
-    llm.encode(texts[:256], use_tqdm=False, pooling_task="embed")
     from batchlm.engine.llm_pooling import _encode_batch
 
-    backend = llm.get_tokenizer()
-    for name, fn in (
-        ("tokenize (Rust batch)", lambda: _encode_batch(backend, texts, 256)),
-        ("embed (lists)", lambda: llm.embed(texts, use_tqdm=False)),
-        ("encode (tensors)", lambda: llm.encode(texts, use_tqdm=False, pooling_task="embed")),
-    ):
+    tokenizer = llm.get_tokenizer()
+    if args.host_only:
+        runs = [("host side of encode", lambda: host_only(llm, texts))]
+    else:
+        llm.embed(texts[:256], use_tqdm=False)
+        llm.encode(texts[:256], use_tqdm=False, pooling_task="embed")
+        runs = [
+            ("embed (lists)", lambda: llm.embed(texts, use_tqdm=False)),
+            ("encode (tensors)", lambda: llm.encode(texts, use_tqdm=False, pooling_task="embed")),
+        ]
+    runs.insert(
+        0, ("tokenize in process (Rust batch)", lambda: _encode_batch(tokenizer, texts, 256))
+    )
+    for name, fn in runs:
         for _ in range(2):
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            print(f"{name}: {time.perf_counter() - t:.2f}s", flush=True)
+            timed(name, fn)
+    pool = llm._tokenize_pool
+    print(f"tokenizer workers: {pool.num_workers if pool is not None else 0}")
     prof = cProfile.Profile()
     prof.enable()
-    llm.encode(texts, use_tqdm=False, pooling_task="embed")
-    torch.cuda.synchronize()
+    runs[-1][1]()
+    sync()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
