@@ -18,6 +18,11 @@ from . import interpret
 interpret.enable()
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn
+"""The fp8 KV cache's dtype: scale 1.0, values clamped to ±`FP8_KV_MAX` when written."""
+FP8_KV_MAX = 448.0
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)
+"""What the paged KV cache may hold; kernels up-cast it to the query's dtype when read."""
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Sliding window passed to kernels when there is none: farther than any position, and small
 # enough that `position - NO_WINDOW` cannot overflow int32.
@@ -116,7 +121,8 @@ def check_paged_attention(
     """
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     num_heads, head_dim = query.shape[1], query.shape[2]
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, shape={3: head_dim})
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, shape={3: head_dim})
+    check_cache_dtype_supported(key_cache)
     check_tensor(
         "value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,),
         shape=dict(enumerate(key_cache.shape)),
@@ -129,6 +135,20 @@ def check_paged_attention(
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, shape={0: num_seqs})
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_seqs})
     return num_heads // num_kv_heads
+
+
+def check_cache_dtype_supported(cache: torch.Tensor) -> None:
+    """Raise `ValueError` for an fp8 cache on a GPU without fp8 conversions (before sm_89),
+    where Triton cannot compile the kernels."""
+    if cache.dtype != FP8_KV_DTYPE or cache.device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(cache.device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"an {FP8_KV_DTYPE} KV cache needs a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper); {torch.cuda.get_device_name(cache.device)} is {major}.{minor}: use "
+            "kv_cache_dtype='auto' or attention_backend='torch'"
+        )
 
 
 _TL_DTYPES = {

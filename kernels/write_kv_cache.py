@@ -4,6 +4,11 @@ The cache layout is the model runner's: `[num_blocks, block_size, num_kv_heads, 
 per tensor (keys and values are `kv_cache[0]` and `kv_cache[1]`), and token `t` goes to
 slot `slot_mapping[t] = block * block_size + offset`. A negative slot means "padding, do not
 write" (padded batches, e.g. for CUDA graphs).
+
+An fp8 (e4m3) cache has scale 1.0, as vLLM's when a checkpoint carries no KV scales: values
+are clamped to ±448 (so overflow saturates instead of turning into NaN) and rounded to
+nearest even, in the hardware's conversion on the GPU and in integer arithmetic under
+Triton's CPU interpreter, whose own fp8 cast rounds differently (`quant_fp8._e4m3fn_bits`).
 """
 
 from __future__ import annotations
@@ -12,9 +17,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
+from .launch import (
+    CACHE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
+    INDEX_DTYPES,
+    check_cache_dtype_supported,
+    check_same_device,
+    check_tensor,
+    is_interpreted,
+    next_power_of_2,
+)
+from .quant_fp8 import _e4m3fn_bits
 
-__all__ = ["write_kv_cache", "write_kv_cache_ref"]
+__all__ = ["to_cache_dtype", "write_kv_cache", "write_kv_cache_ref"]
 
 
 @triton.jit
@@ -39,6 +56,8 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    SOFTWARE_FP8_CAST: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -59,14 +78,24 @@ def _write_kv_cache_kernel(
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(
         k_dst + offs_h[:, None] * stride_kch + offs_d[None, :],
-        k.to(key_cache_ptr.dtype.element_ty),
+        _to_cache(k, key_cache_ptr.dtype.element_ty, IS_FP8, SOFTWARE_FP8_CAST),
         mask=mask,
     )
     tl.store(
         v_dst + offs_h[:, None] * stride_vch + offs_d[None, :],
-        v.to(value_cache_ptr.dtype.element_ty),
+        _to_cache(v, value_cache_ptr.dtype.element_ty, IS_FP8, SOFTWARE_FP8_CAST),
         mask=mask,
     )
+
+
+@triton.jit
+def _to_cache(x, CACHE_DTYPE: tl.constexpr, IS_FP8: tl.constexpr, SOFTWARE_FP8_CAST: tl.constexpr):
+    """`x` in the cache's dtype; fp8: clamped to ±448 (NaN kept), then rounded."""
+    if IS_FP8:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        if SOFTWARE_FP8_CAST:
+            x = _e4m3fn_bits(x).to(tl.uint8).to(CACHE_DTYPE, bitcast=True)
+    return x.to(CACHE_DTYPE)
 
 
 def write_kv_cache(
@@ -81,7 +110,8 @@ def write_kv_cache(
     Args:
         key: `[num_tokens, num_kv_heads, head_dim]`, any float dtype (cast to the cache's).
         value: Same shape as `key`.
-        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, a float dtype or
+            float8_e4m3fn (values clamped to ±448, scale 1.0).
         value_cache: Same shape and dtype as `key_cache`.
         slot_mapping: `[num_tokens]` int32 / int64; negative entries are skipped.
     """
@@ -89,8 +119,9 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, shape=dict(enumerate(key.shape)))
     check_tensor(
-        "key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, shape={2: num_kv_heads, 3: head_dim}
+        "key_cache", key_cache, ndim=4, dtypes=CACHE_DTYPES, shape={2: num_kv_heads, 3: head_dim}
     )
+    check_cache_dtype_supported(key_cache)
     check_tensor("value_cache", value_cache, ndim=4, shape=dict(enumerate(key_cache.shape)))
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(
@@ -129,6 +160,8 @@ def write_kv_cache(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
+        IS_FP8=key_cache.dtype == FP8_KV_DTYPE,
+        SOFTWARE_FP8_CAST=is_interpreted(_write_kv_cache_kernel),
     )
 
 
@@ -144,5 +177,12 @@ def write_kv_cache_ref(
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = to_cache_dtype(key[keep], key_cache.dtype)
+    value_cache[blocks, offsets] = to_cache_dtype(value[keep], value_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the cache stores it: a plain cast, or for fp8 clamped to ±448 first (NaN kept)."""
+    if cache_dtype == FP8_KV_DTYPE:
+        x = x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(cache_dtype)
