@@ -1,0 +1,290 @@
+"""Where a decode step's time goes: the CUDA kernels of W3 and a W1-like batch, under
+`torch.profiler`, against the step's wall time.
+
+A random-weight Llama-3.1-8B-shaped checkpoint (safetensors written directly, bf16) is
+loaded into one `LLM` (max_num_seqs 256, CUDA graphs unless --enforce-eager). Each workload
+is driven step by step through `llm.llm_engine`; once every request is past its prompt,
+each step is a pure decode step. Over those steps it prints:
+
+- the wall time per decode step (without the profiler, then with it),
+- the GPU busy time per decode step (the union of every kernel's and copy's interval),
+  so host overhead = wall - GPU busy,
+- the top 25 CUDA kernels by total time: calls, calls per step, per-call and per-step µs.
+
+W3: batch 1, 32-token prompt, 64 output tokens, greedy (run inside CUDA graphs).
+W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-steps decode
+    steps with all 256 running after the last prefill chunk (chunked prefill interleaves the
+    first requests' decodes with the later prompts, so those steps come late).
+
+    python3 benchmarks/tools/profile_decode.py --out $OUT/profile.txt
+    python3 benchmarks/tools/profile_decode.py --smoke  # tiny shapes, CPU activities only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_generate import LLAMA_8B, SMOKE, prompts_of  # noqa: E402
+
+from batchlm.engine import LLM, SamplingParams  # noqa: E402
+
+TOP_KERNELS = 25
+
+
+def write_random_llama(shape: dict, folder: Path, dtype: torch.dtype, device: str) -> Path:
+    """config.json and seeded random safetensors in the names batchlm's loader reads (HF
+    Llama's), generated on `device`, one file per few layers. Seconds for the 8B shape."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(shape, torch_dtype=str(dtype).removeprefix("torch."))
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    q_size = shape["num_attention_heads"] * head_dim
+    kv_size = shape["num_key_value_heads"] * head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:  # std 0.02, as HF initialises
+        return torch.empty(size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    save_file(
+        {
+            "model.embed_tokens.weight": randn(shape["vocab_size"], hidden),
+            "model.norm.weight": ones(hidden),
+            "lm_head.weight": randn(shape["vocab_size"], hidden),
+        },
+        str(folder / "model-embed.safetensors"),
+        metadata={"format": "pt"},
+    )
+    layers_per_file = 4
+    for first in range(0, shape["num_hidden_layers"], layers_per_file):
+        tensors = {}
+        for i in range(first, min(first + layers_per_file, shape["num_hidden_layers"])):
+            p = f"model.layers.{i}."
+            tensors.update(
+                {
+                    p + "input_layernorm.weight": ones(hidden),
+                    p + "post_attention_layernorm.weight": ones(hidden),
+                    p + "self_attn.q_proj.weight": randn(q_size, hidden),
+                    p + "self_attn.k_proj.weight": randn(kv_size, hidden),
+                    p + "self_attn.v_proj.weight": randn(kv_size, hidden),
+                    p + "self_attn.o_proj.weight": randn(hidden, q_size),
+                    p + "mlp.gate_proj.weight": randn(inter, hidden),
+                    p + "mlp.up_proj.weight": randn(inter, hidden),
+                    p + "mlp.down_proj.weight": randn(hidden, inter),
+                }
+            )
+        save_file(
+            tensors,
+            str(folder / f"model-layers-{first:03d}.safetensors"),
+            metadata={"format": "pt"},
+        )
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def is_decode_only(engine, num_requests: int) -> bool:
+    """Whether the next step runs one new token for each of the `num_requests` requests."""
+    scheduler = engine.scheduler
+    return (
+        not scheduler.waiting
+        and len(scheduler.running) == num_requests
+        and all(r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running)
+    )
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_steps(engine, num_steps: int) -> float:
+    """Seconds per step over `num_steps` engine steps."""
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    synchronize()
+    return (time.perf_counter() - start) / num_steps
+
+
+def device_events(prof) -> list:
+    """The profiled device activities (kernels, copies, sets); on CPU, the CPU ops."""
+    events = list(prof.events())
+    cuda = [e for e in events if e.device_type == DeviceType.CUDA]
+    return cuda or [e for e in events if e.device_type == DeviceType.CPU]
+
+
+def busy_us(events) -> float:
+    """Microseconds covered by at least one event (overlaps and nesting counted once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def kernel_table(events, num_steps: int, is_cuda: bool) -> tuple[list[str], float]:
+    """The top kernels by total time as text lines, and the busy time per step (µs)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        # CPU ops nest: their self time; kernels do not.
+        us = e.time_range.elapsed_us() if is_cuda else e.self_cpu_time_total
+        totals[e.name][0] += 1
+        totals[e.name][1] += us
+    busy = busy_us(events)
+    all_us = sum(us for _, us in totals.values()) or 1.0
+    what = "CUDA kernels / copies" if is_cuda else "CPU ops (self time)"
+    lines = [
+        f"top {TOP_KERNELS} {what} by total time over {num_steps} decode steps",
+        f"{'calls':>7} {'/step':>6} {'total ms':>9} {'us/call':>9} {'us/step':>9} {'%':>5}  name",
+    ]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    for name, (calls, us) in ranked[:TOP_KERNELS]:
+        lines.append(
+            f"{calls:7d} {calls / num_steps:6.1f} {us / 1e3:9.3f} {us / calls:9.2f} "
+            f"{us / num_steps:9.1f} {100 * us / all_us:5.1f}  {name[:110]}"
+        )
+    rest = sum(us for _, (_, us) in ranked[TOP_KERNELS:])
+    if rest:
+        lines.append(f"{'':>7} {'':>6} {rest / 1e3:9.3f} {'':>9} {rest / num_steps:9.1f} "
+                     f"{100 * rest / all_us:5.1f}  ({len(ranked) - TOP_KERNELS} others)")  # fmt: skip
+    return lines, busy / num_steps
+
+
+def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, warmup: int):
+    """Prefill, then `warmup` decode steps, `steps` timed ones and `steps` profiled ones;
+    returns the report's lines."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt, params)
+    prefill_steps = 0
+    synchronize()
+    start = time.perf_counter()
+    while not is_decode_only(engine, len(prompts)):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"{name}: the requests finished before a pure decode step")
+        engine.step()
+        prefill_steps += 1
+    synchronize()
+    prefill_s = time.perf_counter() - start
+    timed_steps(engine, warmup)
+    wall = timed_steps(engine, steps)
+    is_cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        wall_profiled = timed_steps(engine, steps)
+    if not is_decode_only(engine, len(prompts)):
+        raise RuntimeError(f"{name}: a request finished inside the measured window")
+    contexts = [r.num_tokens for r in engine.scheduler.running]
+    while engine.has_unfinished_requests():
+        engine.step()
+    table, busy = kernel_table(device_events(prof), steps, is_cuda)
+    wall_us = wall * 1e6
+    return [
+        f"== {name}: {len(prompts)} sequences, contexts {min(contexts)}..{max(contexts)} at "
+        f"the end; prefill phase {prefill_steps} steps in {prefill_s:.2f} s; "
+        f"{warmup} warm-up + {steps} timed + {steps} profiled decode steps",
+        f"wall per decode step:            {wall_us / 1e3:9.3f} ms "
+        f"(under the profiler {wall_profiled * 1e3:.3f} ms)",
+        f"{'GPU' if is_cuda else 'CPU'} busy per decode step:        {busy / 1e3:9.3f} ms",
+        f"host overhead (wall - busy):     {(wall_us - busy) / 1e3:9.3f} ms "
+        f"({100 * (wall_us - busy) / wall_us:.1f}% of the step)",
+        *table,
+        "",
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=None, help="also write the tables to this text file")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--workload", action="append", choices=["W3", "W1"])
+    ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
+    ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
+    ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
+    args = ap.parse_args()
+    is_cuda = torch.cuda.is_available()
+    if not is_cuda and not args.smoke:
+        print("profile_decode: needs a CUDA GPU (or --smoke for tiny shapes on CPU)")
+        return 0
+    shape = dict(LLAMA_8B, **SMOKE, bos_token_id=1, eos_token_id=2) if args.smoke else LLAMA_8B
+    dtype = torch.bfloat16 if is_cuda else torch.float32
+    lines = [
+        f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
+        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape, random weights, {dtype}",
+    ]
+    print(lines[0], flush=True)
+    folder = Path(args.model_dir or tempfile.mkdtemp(prefix="profile-decode-"))
+    start = time.perf_counter()
+    if not (folder / "config.json").exists():
+        write_random_llama(shape, folder, dtype, "cuda" if is_cuda else "cpu")
+        if is_cuda:
+            torch.cuda.empty_cache()  # the engine sizes its KV cache from free memory
+    lines.append(f"checkpoint written in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
+    llm = LLM(
+        str(folder),
+        dtype=str(dtype).removeprefix("torch."),
+        skip_tokenizer_init=True,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.85,
+        max_num_seqs=256,
+    )
+    lines.append(f"engine built in {time.perf_counter() - start:.1f} s")
+    print("\n".join(lines[1:]), flush=True)
+    vocab = shape["vocab_size"]
+    # One short run first: compiles the kernels outside every measured window.
+    llm.generate([{"prompt_token_ids": p} for p in prompts_of([32, 40], vocab, 9)],
+                 SamplingParams(max_tokens=8, ignore_eos=True, temperature=0),
+                 use_tqdm=False)  # fmt: skip
+    for workload in args.workload or ["W3", "W1"]:
+        if workload == "W3":
+            steps, warmup = args.w3_steps, 3
+            max_tokens = max(64, 2 + warmup + 2 * steps)
+            report = profile_workload(
+                llm, "W3", prompts_of([32], vocab, 0), max_tokens, steps, warmup
+            )
+        else:
+            steps, warmup = args.w1_steps, 2
+            budget = llm.llm_engine.config.scheduler.max_num_batched_tokens
+            prefill_steps = -(-256 * 512 // budget) + 4  # a few to spare
+            report = profile_workload(
+                llm,
+                "W1",
+                prompts_of([512] * 256, vocab, 0),
+                prefill_steps + 1 + warmup + 2 * steps,
+                steps,
+                warmup,
+            )
+        print("\n".join(report), flush=True)
+        lines += report
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    if not args.model_dir:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
