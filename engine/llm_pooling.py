@@ -257,12 +257,14 @@ class PoolingMixin:
 
         On CUDA a large call is cut into chunks: a helper thread tokenizes the next chunk
         (the Rust tokenizer releases the GIL) while the device runs the current one. Where
-        the tokenizer worker processes are on, that thread hands each chunk's texts to them.
+        the tokenizer worker processes are on, that thread hands each chunk's texts to them,
+        except the first chunk of the call that starts them (they are still loading).
         """
         from .worker.pooling_runner import PackedInputs
 
         n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 1
         chunk = self._tokenize_chunk_size()
+        is_pool_new = self._tokenize_pool is None
         pool = self._tokenize_pool_for(n, chunk or _TOKENIZE_CHUNK)
         if pool is not None and chunk is None:
             chunk = _TOKENIZE_CHUNK
@@ -282,7 +284,10 @@ class PoolingMixin:
         def prepare(start: int) -> tuple[PackedInputs, list[PoolingParams]]:
             end = min(start + chunk, n)
             chunk_params = pooling_params[start:end] if per_prompt else pooling_params
-            return self._pooling_inputs(prompts[start:end], chunk_params, truncate, start, pool)
+            chunk_pool = None if start == 0 and is_pool_new else pool
+            return self._pooling_inputs(
+                prompts[start:end], chunk_params, truncate, start, chunk_pool
+            )
 
         parts: list[PackedInputs] = []
         results: list[Any] = []

@@ -34,7 +34,7 @@ def make_texts(num: int, seed: int = 0, max_words: int = 30) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def minilm():
+def minilm_llm():
     # A short maximum, so that an over-long text is an error rather than cut at 256.
     llm = LLM(MINILM, max_model_len=MAX_MODEL_LEN)
     yield llm
@@ -54,6 +54,18 @@ def chunked(monkeypatch):
 
     monkeypatch.setattr(TokenizePool, "encode", spy)
     return batches
+
+
+@pytest.fixture
+def minilm(minilm_llm, chunked, monkeypatch):
+    """The module's LLM with its workers started (the call that starts them tokenizes its
+    first chunk in process), and `chunked` emptied."""
+    if minilm_llm._tokenize_pool is None:
+        monkeypatch.setenv("BATCHLM_TOKENIZE_WORKERS", "2")
+        minilm_llm.embed(make_texts(3 * CHUNK), use_tqdm=False)
+        assert chunked == [CHUNK, CHUNK]
+        chunked.clear()
+    return minilm_llm
 
 
 def both_ways(monkeypatch, call):
@@ -167,6 +179,7 @@ def test_workers_end_with_the_llm(chunked, monkeypatch):
     llm.embed(texts[: 2 * CHUNK], use_tqdm=False)
     assert workers() == set()  # started by the first large call only
     llm.embed(texts, use_tqdm=False)
+    assert chunked == [CHUNK, CHUNK]  # the first chunk is tokenized while the workers load
     pids = set(llm._tokenize_pool.pids)
     assert len(pids) == 2 and workers() == pids
     llm.shutdown()
