@@ -308,10 +308,10 @@ class PoolingMixin:
 
     def _tokenize_pool_for(self, num_prompts: int, chunk: int) -> TokenizePool | None:
         """The tokenizer worker processes for a call of `num_prompts`, started on first use,
-        or None where they do not pay: calls of at most two chunks (the in-process tokenizer
-        is done before workers would have started), at most two usable cores, CPU models
-        (whose forward needs every core) unless BATCHLM_TOKENIZE_WORKERS asks for them, and
-        tokenizers without a serialisable Rust backend."""
+        or None where they do not pay: calls of at most two chunks (no pipeline to hide the
+        messaging in), at most two usable cores, CPU models (whose forward needs every core)
+        unless BATCHLM_TOKENIZE_WORKERS asks for them, and tokenizers without a serialisable
+        Rust backend."""
         if num_prompts <= 2 * chunk or self._is_tokenize_pool_failed:
             return None
         num_workers = envs.tokenize_workers()
@@ -424,13 +424,14 @@ class PoolingMixin:
     def _encode_in_pool(
         self, pool: TokenizePool, texts: list[str], max_len: int | None, lower: bool
     ) -> EncodedTexts | None:
-        """`texts` tokenized by the worker processes, or None (and the workers stopped for
-        good) when one of them failed: the caller then tokenizes in process, which gives
-        the same ids or raises the tokenizer's own error."""
+        """`texts` tokenized by the worker processes, or None when one of them failed: the
+        caller then tokenizes in process, which gives the same ids or raises the tokenizer's
+        own error. A worker that died stops the workers for good."""
         try:
             return pool.encode(texts, max_len, lower)
         except TokenizePoolError as e:
-            self._drop_tokenize_pool(e)
+            if pool.is_closed:
+                self._drop_tokenize_pool(e)
             return None
 
     def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:

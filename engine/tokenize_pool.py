@@ -107,6 +107,11 @@ class TokenizePool:
     def num_workers(self) -> int:
         return len(self._procs)
 
+    @property
+    def is_closed(self) -> bool:
+        """True after `close()`, which a worker's death also calls."""
+        return self._is_closed
+
     def encode(self, texts: list[str], max_len: int | None, lower: bool) -> EncodedTexts:
         """Token ids of `texts` with special tokens, right-truncated to `max_len`, as the
         tokenizer's `encode_batch` gives them (lowercased first when `lower`).

@@ -15,10 +15,11 @@ import signal
 import psutil
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from batchlm.engine import LLM, PoolingParams
 from batchlm.engine.errors import InvalidPromptError
-from batchlm.engine.tokenize_pool import TokenizePool
+from batchlm.engine.tokenize_pool import TokenizePool, TokenizePoolError
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 CHUNK = 8
@@ -192,3 +193,27 @@ def test_workers_end_with_the_llm(chunked, monkeypatch):
     del llm
     gc.collect()
     assert workers() == set()
+
+
+def test_pool_encodes_like_the_rust_tokenizer_and_survives_a_bad_batch(minilm_llm):
+    backend = minilm_llm.get_tokenizer().backend_tokenizer
+    texts = make_texts(20, seed=4)
+    pool = TokenizePool(backend.to_str(), num_workers=1)
+    try:
+        got = pool.encode(texts, 6, lower=True)
+        with pytest.raises(TokenizePoolError, match="TypeError"):
+            pool.encode([1, 2], None, lower=False)  # the worker raises and goes on
+        assert not pool.is_closed
+        again = pool.encode(texts, None, lower=False)
+    finally:
+        pool.close()
+    reference = Tokenizer.from_str(backend.to_str())
+    reference.no_padding()
+    reference.enable_truncation(6)
+    expected = [e.ids for e in reference.encode_batch([t.lower() for t in texts])]
+    assert got.lens.tolist() == [len(ids) for ids in expected]
+    assert got.token_ids.tolist() == [t for ids in expected for t in ids]
+    reference.no_truncation()
+    expected = [e.ids for e in reference.encode_batch(texts)]
+    assert again.token_ids.tolist() == [t for ids in expected for t in ids]
+    assert pool.is_closed and not any(psutil.pid_exists(pid) for pid in pool.pids)
