@@ -96,7 +96,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     cache_dtype: torch.dtype | None = None
-    """dtype of the KV cache; None follows the model dtype."""
+    """dtype of the KV cache; None follows the model dtype. `float8_e4m3fn` (vLLM's
+    `kv_cache_dtype="fp8"`) stores keys and values with scale 1.0, clamped to ±448: half the
+    bytes of a 16-bit cache, so twice the blocks and half the KV reads per decode step."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,41 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, de
             f"dtype={dtype!r} is not supported; use one of 'auto', {', '.join(map(repr, _DTYPES))}"
         )
     return _DTYPES[key]
+
+
+_FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype) -> torch.dtype | None:
+    """Turn `kv_cache_dtype=` into the cache's torch dtype; None (for `auto`) follows the
+    model dtype. Accepts vLLM's `auto`, `fp8` and `fp8_e4m3`, and the float names of
+    `dtype=`."""
+    valid = f"'auto', 'fp8', 'fp8_e4m3', {', '.join(map(repr, _DTYPES))}"
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype in _DTYPES.values() or kv_cache_dtype == torch.float8_e4m3fn:
+            return kv_cache_dtype
+        raise InvalidParamError(
+            f"kv_cache_dtype={kv_cache_dtype} is not supported; use one of {valid}"
+        )
+    if not isinstance(kv_cache_dtype, str):
+        raise InvalidParamError(
+            f"kv_cache_dtype={kv_cache_dtype!r} must be a string such as 'auto' or 'fp8'"
+        )
+    key = kv_cache_dtype.lower()
+    if key == "auto":
+        return None
+    if key in _FP8_KV_DTYPES:
+        return _FP8_KV_DTYPES[key]
+    if key in _DTYPES:
+        return _DTYPES[key]
+    if key.startswith("fp8"):
+        raise InvalidParamError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: the fp8 KV cache is e4m3 "
+            "only; use kv_cache_dtype='fp8' (or 'fp8_e4m3')"
+        )
+    raise InvalidParamError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {valid}"
+    )
 
 
 def config_torch_dtype(hf_config: Any) -> torch.dtype | None:

@@ -20,6 +20,7 @@ from .config import (
     SpeculativeConfig,
     config_torch_dtype,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from .errors import InvalidParamError
 from .loader import resolve_model
@@ -133,9 +134,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
-                cache_dtype=None
-                if self.kv_cache_dtype == "auto"
-                else resolve_dtype(self.kv_cache_dtype, None, device),
+                cache_dtype=self._kv_cache_dtype(runner_type),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -194,6 +193,15 @@ class EngineArgs:
                 f"models (embed / classify / score) run in full precision: {fix}"
             )
         return quantization
+
+    def _kv_cache_dtype(self, runner_type: str) -> torch.dtype | None:
+        cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if cache_dtype == torch.float8_e4m3fn and runner_type != "generate":
+            raise InvalidParamError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} applies to generation models; pooling "
+                "models (embed / classify / score) keep no KV cache: drop kv_cache_dtype="
+            )
+        return cache_dtype
 
     def _speculative(
         self, runner_type: str, dtype: torch.dtype, max_model_len: int, device: torch.device

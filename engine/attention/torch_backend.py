@@ -8,6 +8,10 @@ Two paths, chosen per sequence once per step:
   a mask that encodes causality, sequence length and the optional sliding window.
 GQA is handled without copying keys: the query heads that share a key head are folded into
 extra query rows. Simple and exact; the Triton backend is checked against it.
+
+An fp8 cache (`float8_e4m3fn`, scale 1.0) holds keys and values clamped to ±448 and rounded;
+fresh prefills attend over those same rounded values, so both paths (and the Triton
+backend, which reads everything from the cache) see the same keys.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class _TorchPlan:
     paged: list[_PagedPlan]  # groups of similar length, to limit padding
 
 
+# fp8 KV cache (scale 1.0): the largest e4m3 magnitude; larger keys / values saturate to it.
+_FP8_KV_MAX = 448.0
 # A paged group is split when a sequence is shorter than this fraction of the group's longest.
 _GROUP_LENGTH_RATIO = 0.6
 _MAX_GROUPS = 4
@@ -145,7 +151,11 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if key_cache.dtype == torch.float8_e4m3fn:  # attend over the values the cache holds
+            key = _to_cache_dtype(key, key_cache.dtype)
+            value = _to_cache_dtype(value, key_cache.dtype)
         write_paged_kv_ref(key, value, key_cache, value_cache, metadata.slot_mapping)
+        key, value = key.to(query.dtype), value.to(query.dtype)
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         for start, end in plan.fresh:
             out[start:end] = _causal_attention(
@@ -229,9 +239,22 @@ def write_paged_kv_ref(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Store each token's key / value at its slot of the paged cache."""
+    """Store each token's key / value at its slot of the paged cache (cast to its dtype; fp8
+    clamped to ±448 first)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    key, value = _to_cache_dtype(key, flat_k.dtype), _to_cache_dtype(value, flat_v.dtype)
+    if flat_k.dtype == torch.float8_e4m3fn:  # CPU torch has no fp8 index_copy_: copy bytes
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+
+
+def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the cache stores it (as `kernels.write_kv_cache` does): a cast, clamped to ±448
+    first for fp8 (NaN kept). Local so that the CPU path does not import the Triton kernels."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-_FP8_KV_MAX, _FP8_KV_MAX)
+    return x.to(cache_dtype)
