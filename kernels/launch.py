@@ -142,13 +142,18 @@ def check_cache_dtype_supported(cache: torch.Tensor) -> None:
     where Triton cannot compile the kernels."""
     if cache.dtype != FP8_KV_DTYPE or cache.device.type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(cache.device)
+    major, minor = _capability(cache.device)
     if (major, minor) < (8, 9):
         raise ValueError(
             f"an {FP8_KV_DTYPE} KV cache needs a GPU of compute capability 8.9 or newer "
             f"(Ada, Hopper); {torch.cuda.get_device_name(cache.device)} is {major}.{minor}: use "
             "kv_cache_dtype='auto' or attention_backend='torch'"
         )
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 _TL_DTYPES = {
