@@ -101,11 +101,11 @@ class PoolingMixin:
             inputs, probs = self._run_chunked(
                 prompts, pooling_params, truncate_prompt_tokens, runner.classify
             )
-        self._record_pooling(inputs, start)
-        return [
-            ClassificationRequestOutput(self._next_id(), ClassificationOutput(p.tolist()), ids)
-            for p, ids in zip(probs, inputs.prompt_token_ids(), strict=True)
-        ]
+            self._record_pooling(inputs, start)
+            return [
+                ClassificationRequestOutput(self._next_id(), ClassificationOutput(p.tolist()), ids)
+                for p, ids in zip(probs, inputs.prompt_token_ids(), strict=True)
+            ]
 
     def score(
         self,
@@ -192,11 +192,11 @@ class PoolingMixin:
 
         with _gc_paused():
             inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
-        self._record_pooling(inputs, start)
-        return [
-            PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
-            for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
-        ]
+            self._record_pooling(inputs, start)
+            return [
+                PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
+                for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
+            ]
 
     def _record_pooling(self, inputs: PackedInputs, start: float) -> None:
         """Count a finished pooling call in the metrics (each input is one request)."""
