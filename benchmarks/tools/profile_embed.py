@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,9 +44,9 @@ def host_only(llm: LLM, texts: list[str]) -> list[PoolingRequestOutput]:
 
     def pack(inputs: Any, params: Any) -> list[None]:
         for batch, lens in runner._batches(inputs):
-            cu = torch.zeros(len(batch) + 1, dtype=torch.int64).numpy()
-            cu[1:] = lens.cumsum()
-            inputs.gather(torch.tensor(batch).numpy(), lens, cu)
+            cu = np.zeros(len(batch) + 1, np.int64)
+            np.cumsum(lens, out=cu[1:])
+            inputs.gather(np.asarray(batch, np.int64), lens, cu)
         return [None] * len(inputs)
 
     inputs, data = llm._run_chunked(texts, None, None, pack)
