@@ -257,12 +257,18 @@ class ModelRunner:
         first_block = 0
         for i, (n, num_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
             blocks = list(range(first_block, first_block + num_blocks))
+            # The prompt too: a draft model reads the request's tokens from it.
+            tokens = [0] * n
             dummies.append(
-                ScheduledRequest(f"__profile{i}__", [0] * n, 0, blocks, True, params, [])
+                ScheduledRequest(
+                    f"__profile{i}__", tokens, 0, blocks, True, params, [], prompt_token_ids=tokens
+                )
             )
             first_block += num_blocks
         self.execute_model(SchedulerOutput(dummies, num_tokens))
         self.request_generators.clear()
+        if self.spec is not None:
+            self.spec.before_forward(SchedulerOutput([], 0, {d.request_id for d in dummies}))
         self.kv_caches = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

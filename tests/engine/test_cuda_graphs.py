@@ -4,6 +4,7 @@ and on a GPU the same greedy tokens with CUDA graphs as with enforce_eager=True.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -420,6 +421,9 @@ def _run(path, dtype, prompt_rounds, params, enforce_eager, **options) -> _Run:
         return _Run(outs, llm.llm_engine.stats(), sizes, graphs.num_replays, graphs.num_row_replays)
     finally:
         llm.shutdown()  # frees the KV cache and the graphs before the next engine
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _run_both(path, dtype, prompt_rounds, params, **options) -> tuple[_Run, _Run]:

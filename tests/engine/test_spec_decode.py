@@ -480,3 +480,23 @@ def test_ngram_with_tensor_parallel(engines, target):
     assert _metric(llm, "spec_decode_num_draft_tokens") > 0  # the repeating prompts
     llm.shutdown()
     _same_outputs(got, engines["none"].generate(PROMPTS, params, use_tqdm=False))
+
+
+def test_profiling_forward_runs_the_draft_on_the_dummy_prompts(target):
+    """The KV-cache profiling forward (what a CUDA engine runs before sizing its cache)
+    feeds the draft model the dummy prompts too, then the draft forgets them."""
+    llm = LLM(target, spec_model=target, spec_tokens=3, **ENGINE)
+    runner = llm.llm_engine.runner
+    drafter = runner.spec.drafter
+    calls = []
+    original = drafter._forward
+
+    def counting(reqs):
+        calls.append(sum(len(r.token_ids) for r in reqs))
+        return original(reqs)
+
+    drafter._forward = counting
+    runner._dummy_forward(40)
+    assert calls == [40]
+    assert not drafter.num_computed
+    llm.shutdown()
