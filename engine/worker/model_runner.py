@@ -20,6 +20,7 @@ only rank 0 samples.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -217,6 +218,13 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
         graph_reserve = self._cuda_graph_reserve(peak - weights, num_tokens)
+        # Each layer's cache is one allocation: memory the caching allocator keeps in
+        # segments that still hold other tensors cannot take it, so the cache gets no more
+        # than what the device itself has free once the allocator's free segments go back.
+        gc.collect()
+        torch.cuda.empty_cache()
+        device_free, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(budget, device_free - total * (1 - self.config.cache.gpu_memory_utilization))
         num_blocks = int((budget - graph_reserve) // self.block_bytes)
         logger.info(
             "KV cache: %d blocks (%.2f GiB); peak activations + weights %.2f GiB; "
