@@ -266,7 +266,8 @@ class PoolingRunner:
         out: list[torch.Tensor | list[float] | None] = [None] * len(inputs)
 
         def finish(batch: list[int], groups: list[list[int]], copy: _HostCopy) -> None:
-            for rows, host in zip(groups, copy.wait(), strict=True):
+            hosts = copy.wait() if as_lists else copy.wait_pageable()
+            for rows, host in zip(groups, hosts, strict=True):
                 vectors = host.numpy().tolist() if as_lists else host.unbind(0)
                 for row, vector in zip(rows, vectors, strict=True):
                     out[batch[row]] = vector
@@ -316,7 +317,7 @@ class PoolingRunner:
         out: list[torch.Tensor | None] = [None] * len(inputs)
 
         def finish(batch: list[int], copy: _HostCopy) -> None:
-            logits, probs = copy.wait()
+            logits, probs = copy.wait_pageable()
             for row, i in enumerate(batch):
                 out[i] = logits[row] if params[i].use_activation is False else probs[row]
 
@@ -352,6 +353,15 @@ class _HostCopy:
         if self.done is not None:
             self.done.synchronize()
         return self.tensors
+
+    def wait_pageable(self) -> list[torch.Tensor]:
+        """`wait()`'s tensors in ordinary host memory. Results handed to the caller must not
+        keep the copy's page-locked blocks: each batch would then need a fresh one (slow to
+        allocate), and page-locked memory held by user objects is taken from the system."""
+        tensors = self.wait()
+        if self.done is None:
+            return tensors
+        return [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in tensors]
 
 
 class _PinnedStaging:

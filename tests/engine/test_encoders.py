@@ -232,6 +232,20 @@ def test_pool_with_device_boundaries_matches_host_boundaries(kind):
     )
 
 
+@pytest.mark.gpu
+def test_results_handed_out_are_not_page_locked():
+    """encode / classify results leave the copy's page-locked block to the next batch."""
+    from batchlm.engine.worker.pooling_runner import _HostCopy
+
+    x = torch.randn(4, 8, device="cuda")
+    host = x.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    assert host.is_pinned()
+    (out,) = _HostCopy([host], done).wait_pageable()
+    assert not out.is_pinned() and torch.equal(out, x.cpu())
+
+
 def test_varlen_groups_mixed_lengths_and_rejects_bad_boundaries():
     plan = VarlenPlan.build([0, 100, 101, 160, 170], "cpu")
     assert len(plan.groups) > 1 and not plan.is_single_group
