@@ -35,6 +35,7 @@ from .launch import (
     next_power_of_2,
     num_sms,
 )
+from .paged_tile import load_paged_tile, online_softmax_tile
 
 __all__ = [
     "DecodeLaunch",
@@ -151,33 +152,16 @@ def _decode_kernel(
             blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_head_ptr
-            + blocks[:, None] * stride_kb
-            + in_block[:, None] * stride_ks
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k = load_paged_tile(
+            k_head_ptr, blocks, in_block, offs_d, stride_kb, stride_ks, kv_mask
         )  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        # Every tile holds at least one valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head_ptr
-            + blocks[:, None] * stride_vb
-            + in_block[:, None] * stride_vs
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        v = load_paged_tile(
+            v_head_ptr, blocks, in_block, offs_d, stride_vb, stride_vs, kv_mask
         )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee"
-        )
-        m_i = m_new
+        # Every tile holds at least one valid key, so the new maxima are finite.
+        m_i, l_i, acc = online_softmax_tile(s, v, m_i, l_i, acc, DOT_DTYPE)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
