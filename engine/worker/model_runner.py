@@ -274,9 +274,8 @@ class ModelRunner:
             )
             first_block += num_blocks
         self.execute_model(SchedulerOutput(dummies, num_tokens))
-        self.request_generators.clear()
-        if self.spec is not None:
-            self.spec.before_forward(SchedulerOutput([], 0, {d.request_id for d in dummies}))
+        # The dummies finish: the runner (and a draft model) drop their state.
+        self.execute_model(SchedulerOutput([], 0, {d.request_id for d in dummies}))
         self.kv_caches = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
