@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
-from .step_buffers import StepBuffers, StepInputs, uniform_token_rows
+from .step_buffers import StepBuffers, StepInputs, to_device, uniform_token_rows
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +226,7 @@ class DecodeGraphs:
         if q == 1:
             return hidden[: len(inputs.seq_lens)]
         self.num_row_replays += 1
-        rows = torch.from_numpy(uniform_token_rows(inputs.query_start_loc, q))
-        if hidden.device.type == "cuda":
-            rows = rows.pin_memory().to(hidden.device, non_blocking=True)
-        return hidden[rows]
+        return hidden[to_device(uniform_token_rows(inputs.query_start_loc, q), hidden.device)]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

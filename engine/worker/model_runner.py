@@ -39,7 +39,7 @@ from ..models.registry import get_model_class
 from ..spec_decode.rejection import spec_sample_rows
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_graph_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
-from .step_buffers import StepBuffers, StepInputs
+from .step_buffers import StepBuffers, StepInputs, to_device
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
@@ -392,7 +392,7 @@ class ModelRunner:
         hidden = self._forward(inputs)
         dev = self.device
         if len(inputs.prompt_rows):
-            rows = _to(inputs.prompt_rows, dev)
+            rows = to_device(inputs.prompt_rows, dev)
             for lo, hi in self._prompt_slices(len(inputs.prompt_rows)):
                 self.model.compute_logits(hidden[rows[lo:hi]])
         if len(inputs.sample_rows):
@@ -448,7 +448,7 @@ class ModelRunner:
         """The hidden states of the sampled rows `[num_sampled, hidden_size]`."""
         if len(inputs.sample_rows) == len(inputs.input_ids):  # every token: rows in order
             return hidden
-        return hidden[_to(inputs.sample_rows, self.device)]
+        return hidden[to_device(inputs.sample_rows, self.device)]
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
         with _device_scope(self.device):
@@ -469,8 +469,8 @@ class ModelRunner:
         else:  # larger than the buffers (never with the scheduler's budgets)
             metadata = self._fresh_metadata(inputs, max_query_len, max_seq_len)
             input_ids, positions = (
-                _to(inputs.input_ids, self.device),
-                _to(inputs.positions, self.device),
+                to_device(inputs.input_ids, self.device),
+                to_device(inputs.positions, self.device),
             )
         self.backend.prepare(metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
@@ -485,10 +485,10 @@ class ModelRunner:
             num_tokens=len(inputs.input_ids),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            query_start_loc=_to(qsl.astype(np.int32), dev),
-            seq_lens=_to(seq_lens.astype(np.int32), dev),
-            block_tables=_to(inputs.block_tables.astype(np.int32), dev),
-            slot_mapping=_to(inputs.slot_mapping, dev),
+            query_start_loc=to_device(qsl.astype(np.int32), dev),
+            seq_lens=to_device(seq_lens.astype(np.int32), dev),
+            block_tables=to_device(inputs.block_tables.astype(np.int32), dev),
+            slot_mapping=to_device(inputs.slot_mapping, dev),
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )
@@ -543,7 +543,7 @@ class ModelRunner:
         """
         dev = self.device
         max_k = max(job.num_top for job in jobs)
-        rows_t, targets_t = _to(rows, dev), _to(targets, dev)
+        rows_t, targets_t = to_device(rows, dev), to_device(targets, dev)
         parts: list[list[torch.Tensor]] = []
         for lo, hi in self._prompt_slices(len(rows)):
             logprobs = torch.log_softmax(
@@ -657,10 +657,3 @@ def _device_scope(device: torch.device) -> contextlib.AbstractContextManager:
     """Make `device` the current CUDA device: Triton launches on the current device's
     stream, whichever device the tensors are on (an engine on `cuda:1`, say)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

@@ -207,6 +207,15 @@ def _write_block_tables(dst: StepArrays, inputs: StepInputs, num_rows: int) -> i
     return width
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`: through page-locked memory and a non-blocking copy on
+    CUDA (no wait for the device), as is on CPU."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
 class StepBuffers:
     """Device tensors for every step input, and the host arrays they are copied from.
 
