@@ -32,11 +32,16 @@ import bisect
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
-from .step_buffers import StepBuffers, StepInputs, to_device, uniform_token_rows
+from .step_buffers import (
+    StepBuffers,
+    StepInputs,
+    max_query_len,
+    to_device,
+    uniform_token_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +78,6 @@ def row_graph_sizes(max_num_seqs: int, max_num_tokens: int, tokens_per_row: int)
 def is_decode_step(inputs: StepInputs) -> bool:
     """Every sequence has exactly one query token (what a graph was captured for)."""
     return len(inputs.input_ids) == len(inputs.seq_lens) > 0
-
-
-def max_query_len(inputs: StepInputs) -> int:
-    """The most tokens any sequence has in the step (0 for an empty step)."""
-    if is_decode_step(inputs):
-        return 1
-    qsl = inputs.query_start_loc
-    return int(np.diff(qsl).max()) if len(qsl) > 1 else 0
 
 
 class DecodeGraphs:

@@ -99,6 +99,14 @@ class StepLayout:
     (see the module docstring)."""
 
 
+def max_query_len(inputs: StepInputs) -> int:
+    """The most tokens any sequence has in the step (0 for an empty step)."""
+    qsl = inputs.query_start_loc
+    if len(inputs.input_ids) == len(inputs.seq_lens):  # one token each (a decode step)
+        return 1 if len(qsl) > 1 else 0
+    return int(np.diff(qsl).max()) if len(qsl) > 1 else 0
+
+
 def fits(
     inputs: StepInputs,
     num_rows: int,
@@ -113,8 +121,7 @@ def fits(
     if tokens_per_row == 1:
         num_tokens = len(inputs.input_ids) + num_rows - num_seqs
     else:
-        query_lens = np.diff(inputs.query_start_loc)
-        if len(query_lens) and query_lens.max() > tokens_per_row:
+        if max_query_len(inputs) > tokens_per_row:
             return False
         num_tokens = num_rows * tokens_per_row
     return (
