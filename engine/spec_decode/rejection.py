@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 from ..core.scheduler import ScheduledRequest
-from ..worker.sampler import Sampler, SamplingMetadata, apply_logits_processing
+from ..worker.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_logits_processing,
+    chosen_logprobs,
+)
 
 
 def spec_sample_rows(reqs: Sequence[ScheduledRequest], query_start_loc: np.ndarray) -> np.ndarray:
@@ -127,11 +132,9 @@ class RejectionSampler:
         token_ids = torch.where(accepted, drafts, drawn)
         out = VerifiedRows(token_ids, accepted, None, None, None, None)
         if raw_logprobs is not None:
-            out.logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-            out.ranks = (raw_logprobs > out.logprobs[:, None]).sum(-1) + 1
-            if meta.max_num_logprobs:
-                top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
-                out.topk_logprobs, out.topk_token_ids = top.values, top.indices
+            out.logprobs, out.ranks, out.topk_token_ids, out.topk_logprobs = chosen_logprobs(
+                raw_logprobs, token_ids, meta.max_num_logprobs
+            )
         return out
 
     @staticmethod

@@ -331,11 +331,12 @@ class Sampler:
             keep = torch.where(meta.greedy[:, None], one_hot, keep)
             out.sampling_mask_bits = _pack_bits(keep)
         if raw_logprobs is not None:
-            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
-            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
-            if meta.max_num_logprobs:
-                top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
-                out.topk_logprobs, out.topk_token_ids = top.values, top.indices
+            (
+                out.sampled_logprobs,
+                out.sampled_ranks,
+                out.topk_token_ids,
+                out.topk_logprobs,
+            ) = chosen_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return out
 
     @staticmethod
@@ -361,6 +362,21 @@ class Sampler:
         for row, gen in meta.generators.items():
             q[row].exponential_(generator=gen)
         return probs.div(q).argmax(dim=-1)
+
+
+def chosen_logprobs(
+    raw_logprobs: torch.Tensor,  # [num_rows, vocab]
+    token_ids: torch.Tensor,  # [num_rows]
+    max_num_logprobs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each row's chosen token: its logprob, its rank among all tokens (1 = most likely),
+    and the row's top `max_num_logprobs` ids and logprobs (None when 0)."""
+    logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (raw_logprobs > logprobs[:, None]).sum(-1) + 1
+    if not max_num_logprobs:
+        return logprobs, ranks, None, None
+    top = raw_logprobs.topk(max_num_logprobs, dim=-1)
+    return logprobs, ranks, top.indices, top.values
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
