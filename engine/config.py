@@ -111,6 +111,10 @@ class SchedulerConfig:
     """Most requests running at once."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 before step N's tokens reach the host: the tokens a
+    request has not seen yet are read on the device, and step N's outputs are processed
+    while N+1 runs (see `LLMEngine.step`)."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -140,6 +141,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_batched,
                 max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self._async_scheduling(runner_type, device, speculative),
             ),
             device=DeviceConfig(
                 device=device, attention_backend=backend, enforce_eager=self.enforce_eager
@@ -202,6 +204,26 @@ class EngineArgs:
                 "models (embed / classify / score) keep no KV cache: drop kv_cache_dtype="
             )
         return cache_dtype
+
+    def _async_scheduling(
+        self, runner_type: str, device: torch.device, speculative: SpeculativeConfig | None
+    ) -> bool:
+        """None (auto): on for generation on CUDA with one rank and no speculation."""
+        if runner_type == "pooling":
+            return False
+        conflict = None
+        if self.tensor_parallel_size > 1:
+            conflict = f"tensor_parallel_size={self.tensor_parallel_size}"
+        elif speculative is not None:
+            conflict = "speculative decoding"
+        if self.async_scheduling is None:
+            return device.type == "cuda" and conflict is None
+        if self.async_scheduling and conflict is not None:
+            raise InvalidParamError(
+                f"async_scheduling=True is not supported with {conflict} (every step needs "
+                "the previous step's tokens on the host there); drop async_scheduling"
+            )
+        return self.async_scheduling
 
     def _speculative(
         self, runner_type: str, dtype: torch.dtype, max_model_len: int, device: torch.device
@@ -348,6 +370,10 @@ class EngineArgs:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParamError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise InvalidParamError(
+                f"async_scheduling={self.async_scheduling!r} must be True, False or None (auto)"
+            )
         positive_int("block_size", self.block_size)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_model_len", self.max_model_len, allow_none=True)

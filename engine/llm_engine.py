@@ -21,7 +21,7 @@ from .sampling_params import SamplingParams
 from .spec_decode.manager import SpecDecodeManager
 from .tokenizer import load_tokenizer
 from .worker.executor import Executor, create_executor
-from .worker.model_runner import ModelRunner, ModelRunnerOutput
+from .worker.model_runner import ModelRunner, ModelRunnerOutput, PendingOutput
 
 if TYPE_CHECKING:
     from .worker.pooling_runner import PoolingRunner
@@ -95,6 +95,8 @@ class LLMEngine:
         self._stash: dict[str, RequestOutput] = {}
         self._unscheduled: dict[str, Request] = {}
         """With statistics on: requests not scheduled yet (their first_scheduled_time)."""
+        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None
+        """Async scheduling: the step launched by the last `step`, outputs not processed."""
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
     def _init_kv_cache(self) -> int:
@@ -219,17 +221,72 @@ class LLMEngine:
         return self._stash.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the requests that finished in it."""
+        """Run one scheduling step; returns the requests that finished in it.
+
+        With async scheduling, the step launched here is still running when `step` returns:
+        the next call schedules and launches the step after it first, then processes its
+        outputs while that one runs, so the device does not wait for the host in between.
+        The requests returned are then those that finished in the previous step.
+        """
+        if self.config.scheduler.async_scheduling:
+            return self._step_ahead()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
-        sched_out = self.scheduler.schedule()
-        if self._unscheduled:
-            self._record_scheduled(sched_out.scheduled)
+        sched_out = self._schedule(ahead=False)
         try:
             runner_out = self._execute_model(sched_out)
         except BaseException:  # an interrupt or a device error: the step's KV is not there
             self.scheduler.undo_schedule(sched_out)
             raise
+        return self._process(sched_out, runner_out)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One step of async scheduling (see `step`)."""
+        finished: list[RequestOutput] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and inflight[0].sync_next:
+            finished += self._complete(inflight)
+            inflight = None
+        sched_out = self._schedule(ahead=inflight is not None)
+        try:
+            launched = (sched_out, self.runner.launch_model(sched_out))
+        except BaseException:
+            self.scheduler.undo_schedule(sched_out)
+            if inflight is not None:
+                self.scheduler.undo_schedule(inflight[0])
+            raise
+        if inflight is not None:
+            finished += self._complete(inflight, newer=sched_out)
+        if sched_out.is_empty:
+            return finished + self._complete(launched)
+        self._inflight = launched
+        return finished
+
+    def _complete(
+        self, launched: tuple[SchedulerOutput, PendingOutput], newer: SchedulerOutput | None = None
+    ) -> list[RequestOutput]:
+        """Wait for a launched step's outputs and process them; a failure undoes it (and the
+        `newer` step launched after it)."""
+        sched_out, pending = launched
+        try:
+            runner_out = pending.result()
+        except BaseException:
+            if newer is not None:
+                self.scheduler.undo_schedule(newer)
+            self.scheduler.undo_schedule(sched_out)
+            raise
+        return self._process(sched_out, runner_out)
+
+    def _schedule(self, ahead: bool) -> SchedulerOutput:
+        sched_out = self.scheduler.schedule(ahead=ahead)
+        if self._unscheduled:
+            self._record_scheduled(sched_out.scheduled)
+        return sched_out
+
+    def _process(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply a step's outputs: new tokens, stop checks, finished requests."""
         if self.spec is None:
             return self._apply_tokens(sched_out, runner_out)
         # Speculative decoding: the tokens each request gained, one position at a time.

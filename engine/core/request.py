@@ -43,9 +43,10 @@ _FINISH_REASON = {
 class Request:
     """One sequence being generated.
 
-    Invariant: `num_computed_tokens <= num_tokens`; the tokens `[num_computed_tokens,
-    num_tokens)` still need their KV computed; when the two are equal after a step, the
-    step's logits at the last token produce the next output token.
+    Invariant: `num_computed_tokens <= num_scheduled_tokens`; the tokens
+    `[num_computed_tokens, num_scheduled_tokens)` still need their KV computed; when the two
+    are equal after a step, the step's logits at the last token produce the next output
+    token. Outside a step scheduled ahead, `num_scheduled_tokens == num_tokens`.
     """
 
     request_id: str
@@ -77,6 +78,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []
         """Chained hash of each full block of `all_token_ids`, filled by the KV cache manager."""
+        self.num_inflight_tokens = 0
+        """Tokens sampled by scheduled steps that have not reached the host yet: with async
+        scheduling, the step in flight's and (once scheduled) the next one's, which reads
+        the first from the device (see the scheduler's PLACEHOLDER_TOKEN)."""
         self.spec_token_ids: list[int] = []
         """Draft tokens for the next step to verify (speculative decoding); not part of
         `all_token_ids` until accepted."""
@@ -84,6 +89,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens including the ones still being sampled on the device."""
+        return len(self.all_token_ids) + self.num_inflight_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

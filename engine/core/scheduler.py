@@ -5,7 +5,16 @@ to waiting ones (first come, first served). A request's `num_computed_tokens` ca
 its token count; a prompt longer than the remaining budget is chunked across steps. When
 the KV cache cannot grow a running request, the newest running request is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-(prefix caching usually makes that cheap). Pure Python: no tensors.
+(prefix caching usually makes that cheap).
+
+With async scheduling the engine schedules step N+1 while step N still runs (`schedule(
+ahead=True)`): a request whose last step samples a token is scheduled again with that token
+as PLACEHOLDER_TOKEN, which the model runner reads from step N's sampled ids on the device.
+A request is only scheduled ahead when step N's token cannot change what N+1 does with it
+(no penalties, bad words or min_tokens ban; not at its last token), and a step scheduled
+ahead never preempts: where a running request cannot grow, it stops there (`blocked`), and
+the engine waits for the steps in flight before scheduling the next one with preemption.
+Pure Python: no tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ from ..config import SchedulerConfig
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
+
+PLACEHOLDER_TOKEN = -1
+"""In `ScheduledRequest.token_ids`: the token sampled by the step in flight, not known yet."""
 
 
 @dataclass
@@ -54,6 +66,11 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished since the last step: the runner drops their state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    sync_next: bool = False
+    """The next step must be scheduled with this one's outputs known: scheduled ahead, a
+    running request could not grow (the KV cache is full, and only a step scheduled with
+    every output known may preempt), or a request sampled here samples next from its
+    outputs (penalties, bad words, min_tokens)."""
 
     @property
     def is_empty(self) -> bool:
@@ -124,20 +141,30 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """The next step.
+
+        Args:
+            ahead: The last step is still running (its tokens are not appended yet):
+                schedule only what does not depend on them, and never preempt.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        blocked = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_pending = request.num_tokens + len(request.spec_token_ids)
+            num_pending = request.num_scheduled_tokens + len(request.spec_token_ids)
             num_new = min(num_pending - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to do until a token is appended
-                i += 1
+            if num_new <= 0 or (request.num_inflight_tokens and not self._can_run_ahead(request)):
+                i += 1  # nothing to do until a token is appended
                 continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
+                if ahead:
+                    blocked = True
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -148,12 +175,13 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            break  # the request itself was preempted; nobody after it can run either
+            break  # the request was preempted or blocked; nobody after it can run either
 
         # Waiting requests only when nothing was preempted this step, so a preempted request
         # is not immediately rescheduled ahead of the running ones it yielded to.
         while (
             not preempted
+            and not blocked
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -183,22 +211,40 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            sync_next=blocked
+            or any(r.needs_sample and _samples_from_outputs(r) for r in scheduled),
         )
+
+    def _can_run_ahead(self, request: Request) -> bool:
+        """Whether a request with a token in flight may be scheduled before it is known:
+        the token does not end it by length, and its sampling does not read the outputs."""
+        params = request.sampling_params
+        num_out = request.num_output_tokens + request.num_inflight_tokens
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return False
+        if request.num_scheduled_tokens >= self.max_model_len:
+            return False
+        return not _samples_from_outputs(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
         token_ids = request.all_token_ids[start : start + num_new]
+        if len(token_ids) < num_new and request.num_inflight_tokens:
+            token_ids.append(PLACEHOLDER_TOKEN)
         # Draft tokens that fit the budget; the step's KV for rejected ones is rolled back
         # (`num_computed_tokens`) once they are verified.
         spec = request.spec_token_ids[: num_new - len(token_ids)]
         request.spec_token_ids = []
+        needs_sample = request.num_computed_tokens >= request.num_scheduled_tokens
+        if needs_sample:
+            request.num_inflight_tokens += 1
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=token_ids + spec,
             start_pos=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            needs_sample=request.num_computed_tokens >= request.num_tokens,
+            needs_sample=needs_sample,
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
@@ -225,11 +271,13 @@ class Scheduler:
             self.kv_cache.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_inflight_tokens = 0
             self.waiting.appendleft(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.spec_token_ids = []
+        request.num_inflight_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -260,6 +308,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.append_output_token(token_id)
+            if request.num_inflight_tokens > 0:  # (the later tokens of a verified draft: 0)
+                request.num_inflight_tokens -= 1
             status = self._check_stop(request, token_id)
             if status is not None:
                 self.running.remove(request)
@@ -298,3 +348,14 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
         )
+
+
+def _samples_from_outputs(request: Request | ScheduledRequest) -> bool:
+    """Whether the request's next sampling reads its outputs so far (penalties, bad words,
+    or min_tokens not reached), so they must be known on the host."""
+    params = request.sampling_params
+    return (
+        params.has_penalties
+        or bool(params.bad_words)
+        or len(request.output_token_ids) < params.min_tokens
+    )

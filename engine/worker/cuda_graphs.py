@@ -205,15 +205,15 @@ class DecodeGraphs:
         q, size = shape
         return self.buffers.fits(inputs, size, self.buffers.capacity.table_width, q)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, samples: torch.Tensor | None = None) -> torch.Tensor:
         """The step's hidden states `[num_tokens, hidden_size]`, rows in the step's own
-        token order (check `can_run` first).
+        token order (check `can_run` first); tokens in flight are read from `samples`.
 
         A decode step's result is a view of the graph's output: read it before the next
         step.
         """
         q, size = self._shape_for(inputs)
-        self.buffers.stage(inputs, size, self.buffers.capacity.table_width, q)
+        self.buffers.stage(inputs, size, self.buffers.capacity.table_width, q, samples)
         self.num_replays += 1
         if self.is_captured:
             self.graphs[(q, size)].replay()

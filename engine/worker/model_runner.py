@@ -33,13 +33,13 @@ import torch
 
 from ..attention.backend import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
 from ..spec_decode.rejection import spec_sample_rows
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_graph_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
-from .step_buffers import StepBuffers, StepInputs, to_device
+from .step_buffers import StepBuffers, StepInputs, fill_tokens, to_device
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
@@ -172,6 +172,7 @@ class ModelRunner:
         )
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
+        self._last_samples: _Samples | None = None
         self.spec = None
         """Speculative decoding's draft and verification (`spec_decode/runner.py`)."""
         if config.speculative is not None:
@@ -339,14 +340,23 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its output."""
+        return self.launch_model(out).result()
+
+    @torch.inference_mode()
+    def launch_model(self, out: SchedulerOutput) -> PendingOutput:
+        """Start one step on the device; its output reaches the host with `result()`.
+
+        The next step may be launched before that (async scheduling): its tokens marked
+        PLACEHOLDER_TOKEN are this step's samples, read on the device.
+        """
         for rid in out.finished_request_ids:
             self.request_generators.pop(rid, None)
         if self.spec is not None:
             self.spec.before_forward(out)
         if out.is_empty:
-            return ModelRunnerOutput()
+            return PendingOutput.ready(ModelRunnerOutput())
         reqs = out.scheduled
         inputs, prompt_jobs = self._prepare_inputs(reqs)
         if self.step_listener is not None:
@@ -358,6 +368,7 @@ class ModelRunner:
             else []
         )
         if not len(inputs.sample_rows):
+            self._last_samples = None
             return self._to_host([], None, prompt_jobs, prompt_result)
         dev = self.device
         logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
@@ -369,9 +380,10 @@ class ModelRunner:
             if gen is not None:
                 generators[row] = gen
         if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
-            out = self._to_host([], None, prompt_jobs, prompt_result)
+            out = self._to_host([], None, prompt_jobs, prompt_result).result()
             self.spec.verify(logits, sampled_reqs, generators, out)
-            return out
+            self._last_samples = None
+            return PendingOutput.ready(out)
         meta = SamplingMetadata.build(
             [r.sampling_params for r in sampled_reqs],
             generators,
@@ -383,6 +395,9 @@ class ModelRunner:
             return_sampling_mask=self.return_sampling_mask,
         )
         result = self.sampler(logits, meta)
+        self._last_samples = _Samples(
+            result.sampled_token_ids, {r.request_id: row for row, r in enumerate(sampled_reqs)}
+        )
         return self._to_host(sampled_reqs, result, prompt_jobs, prompt_result)
 
     @torch.inference_mode()
@@ -427,6 +442,9 @@ class ModelRunner:
             + positions % self.block_size
         )
         prompt_jobs, prompt_rows, prompt_targets = self._prompt_logprobs_rows(reqs, qsl)
+        fill_rows = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+        fill_src = self._fill_sources(reqs, seq_of_token[fill_rows])
+        input_ids[fill_rows] = 0  # written on the device
         sample_seqs = [i for i, r in enumerate(reqs) if r.needs_sample]
         inputs = StepInputs(
             input_ids=input_ids,
@@ -441,8 +459,25 @@ class ModelRunner:
             else spec_sample_rows(reqs, qsl),
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
+            fill_rows=fill_rows,
+            fill_src=fill_src,
         )
         return inputs, prompt_jobs
+
+    def _fill_sources(self, reqs: list[ScheduledRequest], seqs: np.ndarray) -> np.ndarray:
+        """For each token in flight (of the sequences `seqs`), its row in the previous
+        step's samples."""
+        if not len(seqs):
+            return np.zeros(0, np.int64)
+        if self.tp is not None:
+            raise RuntimeError("tokens in flight need one rank: async scheduling is TP=1 only")
+        rows = self._last_samples.rows if self._last_samples is not None else {}
+        try:
+            return np.fromiter((rows[reqs[i].request_id] for i in seqs), np.int64, len(seqs))
+        except KeyError as e:
+            raise RuntimeError(
+                f"request {e.args[0]!r} has a token in flight that the last step did not sample"
+            ) from None
 
     def _sample_hidden(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The hidden states of the sampled rows `[num_sampled, hidden_size]`."""
@@ -456,14 +491,15 @@ class ModelRunner:
 
     def _forward_on_device(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.decode_graphs
+        samples = self._last_samples.token_ids if self._last_samples is not None else None
         if graphs is not None and graphs.can_run(inputs):
-            return graphs.run(inputs)
+            return graphs.run(inputs, samples)
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         query_lens = np.diff(qsl)
         max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
         num_seqs, width = len(seq_lens), inputs.block_tables.shape[1]
         if self.buffers.fits(inputs, num_seqs, width):
-            layout = self.buffers.stage(inputs, num_seqs, width)
+            layout = self.buffers.stage(inputs, num_seqs, width, samples=samples)
             metadata = self.buffers.metadata(layout, max_query_len, max_seq_len)
             input_ids, positions = self.buffers.token_inputs(layout)
         else:  # larger than the buffers (never with the scheduler's budgets)
@@ -472,6 +508,8 @@ class ModelRunner:
                 to_device(inputs.input_ids, self.device),
                 to_device(inputs.positions, self.device),
             )
+            if len(inputs.fill_rows):
+                fill_tokens(input_ids, inputs.fill_rows, inputs.fill_src, samples)
         self.backend.prepare(metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
@@ -572,8 +610,8 @@ class ModelRunner:
         result: SamplerOutput | None,
         prompt_jobs: list[_PromptLogprobsJob],
         prompt_result: list[torch.Tensor],
-    ) -> ModelRunnerOutput:
-        # One device → host transfer for everything the host needs from this step.
+    ) -> PendingOutput:
+        """Start the step's one device → host transfer, of everything the host needs."""
         named: dict[str, torch.Tensor] = {}
         if result is not None:
             named["ids"] = result.sampled_token_ids
@@ -585,13 +623,24 @@ class ModelRunner:
                 named["mask_bits"] = result.sampling_mask_bits
         for i, t in enumerate(prompt_result):
             named[f"prompt{i}"] = t
-        host = dict(zip(named, _copy_to_host(list(named.values())), strict=True))
+        copies, copied = _start_copy_to_host(list(named.values()))
+        return PendingOutput(
+            lambda: self._unpack(reqs, dict(zip(named, copies, strict=True)), prompt_jobs),
+            copied,
+        )
 
+    def _unpack(
+        self,
+        reqs: list[ScheduledRequest],
+        host: dict[str, torch.Tensor],
+        prompt_jobs: list[_PromptLogprobsJob],
+    ) -> ModelRunnerOutput:
+        """The step's output from its host copies."""
         out = ModelRunnerOutput()
         if prompt_jobs:
-            prompt_host = [host[f"prompt{i}"] for i in range(len(prompt_result))]
+            prompt_host = [host[name] for name in host if name.startswith("prompt")]
             out.prompt_logprobs = _unpack_prompt_logprobs(prompt_jobs, prompt_host)
-        if result is None:
+        if "ids" not in host:
             return out
         ids = host["ids"].tolist()
         out.sampled = {r.request_id: t for r, t in zip(reqs, ids, strict=True)}
@@ -643,14 +692,63 @@ def _unpack_prompt_logprobs(
     return out
 
 
+class PendingOutput:
+    """A step's output on its way to the host.
+
+    Args:
+        unpack: Builds the output from the host copies (run once, by `result`).
+        copied: Recorded after the copies were queued (None: they are done).
+    """
+
+    def __init__(
+        self, unpack: Callable[[], ModelRunnerOutput], copied: torch.cuda.Event | None
+    ) -> None:
+        self._unpack = unpack
+        self._copied = copied
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> PendingOutput:
+        return cls(lambda: output, None)
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the copies (the step's only wait for the device) and unpack them."""
+        if self._output is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._output = self._unpack()
+        return self._output
+
+
+@dataclass
+class _Samples:
+    """The last step's sampled ids on the device, for the next step's tokens in flight."""
+
+    token_ids: torch.Tensor  # [num_sampled]
+    rows: dict[str, int]
+    """Request id → its row in `token_ids`."""
+
+
 def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy device tensors to the host with a single wait for the device."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.cpu() for t in tensors]
-    # Non-blocking copies from CUDA land in pinned memory; one sync covers them all.
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
+    host, copied = _start_copy_to_host(tensors)
+    if copied is not None:
+        copied.synchronize()
     return host
+
+
+def _start_copy_to_host(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Queue copies of device tensors to the host; the event marks them done (None when
+    they are done already: CPU tensors, or nothing to copy)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors], None
+    # Non-blocking copies from CUDA land in pinned memory; one event covers them all.
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return host, event
 
 
 def _device_scope(device: torch.device) -> contextlib.AbstractContextManager:

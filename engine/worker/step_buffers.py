@@ -23,7 +23,7 @@ keys in block 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +49,10 @@ class StepInputs:
     sample_rows: np.ndarray  # [num_sampled] int64, rows of the hidden states to sample from
     prompt_rows: np.ndarray  # [num_prompt_positions] int64, rows scoring prompt tokens
     prompt_targets: np.ndarray  # [num_prompt_positions] int64, the prompt tokens they score
+    fill_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """[num_fill] int64: tokens not known on the host (async scheduling), whose ids are the
+    previous step's samples `fill_src` (its rows), read on the device."""
+    fill_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @classmethod
     def empty(cls) -> StepInputs:
@@ -214,6 +218,17 @@ def _write_block_tables(dst: StepArrays, inputs: StepInputs, num_rows: int) -> i
     return width
 
 
+def fill_tokens(
+    input_ids: torch.Tensor, rows: np.ndarray, src: np.ndarray, samples: torch.Tensor | None
+) -> None:
+    """Write the previous step's sampled ids `samples[src]` into `input_ids[rows]`, on the
+    device (stream order puts them after the step that sampled them)."""
+    if samples is None:
+        raise RuntimeError("the step has tokens in flight but no previous step sampled them")
+    index = to_device(np.stack([rows, src]), input_ids.device)
+    input_ids[index[0]] = samples[index[1]].to(input_ids.dtype)
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device`: through page-locked memory and a non-blocking copy on
     CUDA (no wait for the device), as is on CPU."""
@@ -266,10 +281,16 @@ class StepBuffers:
         return fits(inputs, num_rows, table_width, self.capacity, tokens_per_row)
 
     def stage(
-        self, inputs: StepInputs, num_rows: int, table_width: int, tokens_per_row: int = 1
+        self,
+        inputs: StepInputs,
+        num_rows: int,
+        table_width: int,
+        tokens_per_row: int = 1,
+        samples: torch.Tensor | None = None,
     ) -> StepLayout:
         """Write `inputs` (padded to `num_rows` rows, of `tokens_per_row` tokens each when
-        > 1) and start copying it to the device."""
+        > 1) and start copying it to the device; tokens in flight are read from `samples`
+        (the previous step's sampled ids)."""
         if self._copy_pending:
             # The last step's copies may still be reading the staging arrays (a rank that
             # never waits for its device); on rank 0 they are long done.
@@ -294,6 +315,11 @@ class StepBuffers:
             compact.copy_(staged, non_blocking=True)
             wide = dst.block_tables[: rows * table_width].view(rows, table_width)
             wide[:, :width].copy_(compact.view(rows, width))
+        if len(inputs.fill_rows):
+            fill_rows = inputs.fill_rows
+            if tokens_per_row > 1:
+                fill_rows = uniform_token_rows(inputs.query_start_loc, tokens_per_row)[fill_rows]
+            fill_tokens(dst.input_ids, fill_rows, inputs.fill_src, samples)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True
