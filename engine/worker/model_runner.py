@@ -173,6 +173,9 @@ class ModelRunner:
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
         self._last_samples: _Samples | None = None
+        self.num_tokens_from_device = 0
+        """Input tokens read from the previous step's samples on the device (async
+        scheduling), over the runner's lifetime."""
         self.spec = None
         """Speculative decoding's draft and verification (`spec_decode/runner.py`)."""
         if config.speculative is not None:
@@ -445,6 +448,7 @@ class ModelRunner:
         fill_rows = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         fill_src = self._fill_sources(reqs, seq_of_token[fill_rows])
         input_ids[fill_rows] = 0  # written on the device
+        self.num_tokens_from_device += len(fill_rows)
         sample_seqs = [i for i, r in enumerate(reqs) if r.needs_sample]
         inputs = StepInputs(
             input_ids=input_ids,

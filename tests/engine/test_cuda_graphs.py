@@ -486,6 +486,29 @@ def test_graph_tokens_match_eager_under_preemption(dtype, tiny_model_factory):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_matches_sync_on_gpu(dtype, tiny_model_factory):
+    """Steps launched before the last one's tokens are known (read from the device inside
+    the graphs' inputs), under preemption, against the same engine waiting for each step."""
+    path = str(tiny_model_factory("llama"))
+    rounds = [_prompts(17, shared=20, seed=3)]
+    params = [_greedy(max_tokens=24 + 2 * i) for i in range(17)]
+    options = dict(max_model_len=128, num_gpu_blocks_override=24)
+    sync = _run(path, dtype, rounds, params, False, async_scheduling=False, **options)
+    llm = LLM(str(path), dtype=dtype, seed=0, async_scheduling=True, **options)
+    try:
+        ahead = llm.generate(rounds[0], params, use_tqdm=False)
+        runner = llm.llm_engine.runner
+        assert runner.num_tokens_from_device > 0
+        assert runner.decode_graphs.num_replays > 0
+        assert llm.llm_engine.stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert sync.stats.num_preemptions > 0
+    _assert_same_greedy(ahead, sync.outputs[0], dtype)
+
+
+@pytest.mark.gpu
 def test_full_ladder_is_captured_and_large_batches_replay(tiny_model_factory):
     """Default settings: max_num_seqs=256, KV cache sized by profiling (graph memory kept
     out of it)."""
