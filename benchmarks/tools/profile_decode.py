@@ -99,12 +99,13 @@ def write_random_llama(shape: dict, folder: Path, dtype: torch.dtype, device: st
 
 
 def is_decode_only(engine, num_requests: int) -> bool:
-    """Whether the next step runs one new token for each of the `num_requests` requests."""
+    """Whether the next steps run one new token for each of the `num_requests` requests:
+    all running, every prompt computed (a step launched ahead may still be in flight)."""
     scheduler = engine.scheduler
     return (
         not scheduler.waiting
         and len(scheduler.running) == num_requests
-        and all(r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running)
+        and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
     )
 
 
