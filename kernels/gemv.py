@@ -1,0 +1,170 @@
+"""Matrix-vector products for one-token steps: `y = x W^T (+ b)` with `x` of one row.
+
+A decode step at batch 1 reads every weight once for one row of activations, so its
+linear layers are bound by memory bandwidth alone. Each program owns `BLOCK_N` output
+features: it streams their weight rows through `BLOCK_K`-wide tiles, multiplies them with
+the matching slice of `x` into a `[BLOCK_N, BLOCK_K]` float32 accumulator (no reduction
+inside the loop), and reduces it once at the end. Programs never share an output, so
+there is no split-K reduction and no second kernel; `BLOCK_N` is small enough that every
+program of the usual shapes is resident at once.
+
+`gemv_ref` is the plain PyTorch product (the reference, and the CPU path).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import FLOAT_DTYPES, cdiv, check_same_device, check_tensor
+
+__all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
+
+_BLOCK_N = 16
+_BLOCK_K = 512
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K], rows `stride_wn` apart
+    b_ptr,  # [N] (read when HAS_BIAS)
+    y_ptr,  # [N]
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_ptr + ks)
+            if EVEN_N:
+                w = tl.load(rows + ks[None, :])
+            else:
+                w = tl.load(rows + ks[None, :], mask=(offs_n < N)[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            w = tl.load(
+                rows + ks[None, :], mask=(offs_n < N)[:, None] & (ks < K)[None, :], other=0.0
+            )
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+class GemvLaunch(NamedTuple):
+    block_n: int
+    """Output features per program."""
+    block_k: int
+    """Input features per loaded tile."""
+    num_warps: int
+    num_stages: int
+
+
+def choose_gemv_launch(
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> GemvLaunch:
+    """The launch `gemv` makes: each None takes its default; the rest are validated
+    (`ValueError` naming the bad value)."""
+    launch = GemvLaunch(
+        _BLOCK_N if block_n is None else block_n,
+        _BLOCK_K if block_k is None else block_k,
+        _NUM_WARPS if num_warps is None else num_warps,
+        _NUM_STAGES if num_stages is None else num_stages,
+    )
+    for name, value, low, high in (
+        ("block_n", launch.block_n, 1, 256),
+        ("block_k", launch.block_k, 16, 4096),
+        ("num_warps", launch.num_warps, 1, 16),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not low <= value <= high
+            or value & (value - 1)
+        ):
+            raise ValueError(f"{name}={value!r} must be a power of two in [{low}, {high}]")
+    stages = launch.num_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 8:
+        raise ValueError(f"num_stages={stages!r} must be an integer in [1, 8]")
+    return launch
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    **launch: int | None,
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` for one row.
+
+    Args:
+        x: `[1, K]` (or `[K]`), with unit stride.
+        weight: `[N, K]`, same dtype, unit stride along K.
+        bias: `[N]` or None.
+        **launch: `block_n`, `block_k`, `num_warps`, `num_stages` overrides (see
+            `choose_gemv_launch`).
+
+    Returns:
+        `[1, N]` (or `[N]`) in x's dtype, accumulated in float32.
+    """
+    squeeze = x.dim() == 1
+    x2 = x[None] if squeeze else x
+    check_tensor("x", x2, ndim=2, dtypes=FLOAT_DTYPES)
+    if x2.shape[0] != 1:
+        raise ValueError(f"gemv takes one row; x has shape {tuple(x.shape)} (use F.linear)")
+    num_k = x2.shape[1]
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={1: num_k})
+    num_n = weight.shape[0]
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, shape={0: num_n})
+        check_same_device(_gemv_kernel, x=x, weight=weight, bias=bias)
+    else:
+        check_same_device(_gemv_kernel, x=x, weight=weight)
+    cfg = choose_gemv_launch(**launch)
+    y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(cdiv(num_n, cfg.block_n),)](
+        x2,
+        weight,
+        bias if bias is not None else y,
+        y,
+        num_n,
+        num_k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_N=num_n % cfg.block_n == 0,
+        EVEN_K=num_k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y[0] if squeeze else y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The same product in float32, cast back to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
