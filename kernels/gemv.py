@@ -23,10 +23,15 @@ from .launch import FLOAT_DTYPES, cdiv, check_same_device, check_tensor
 
 __all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
-_BLOCK_N = 16
-_BLOCK_K = 512
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+# Defaults by output features, from the launch sweep on an H200 (bench_gemv.py, bf16,
+# Llama-3.1-8B shapes): wide layers (gate|up, the LM head) stream short tiles deeply
+# pipelined; narrow ones (o_proj, down_proj) take long tiles over more warps; in between
+# (q|k|v), eight features per program keep enough programs in flight.
+_WIDE_N = 16384
+_NARROW_N = 4096
+_WIDE = (16, 256, 4, 4)  # block_n, block_k, num_warps, num_stages
+_NARROW = (16, 1024, 8, 2)
+_MIDDLE = (8, 512, 4, 2)
 
 
 @triton.jit
@@ -78,19 +83,23 @@ class GemvLaunch(NamedTuple):
 
 
 def choose_gemv_launch(
+    num_n: int,
+    num_k: int,
     *,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> GemvLaunch:
-    """The launch `gemv` makes: each None takes its default; the rest are validated
+    """The launch `gemv` makes for `num_n` outputs of `num_k` inputs: each None takes its
+    default (by `num_n`, the tile no wider than `num_k` needs); the rest are validated
     (`ValueError` naming the bad value)."""
+    default = _WIDE if num_n >= _WIDE_N else _NARROW if num_n <= _NARROW_N else _MIDDLE
     launch = GemvLaunch(
-        _BLOCK_N if block_n is None else block_n,
-        _BLOCK_K if block_k is None else block_k,
-        _NUM_WARPS if num_warps is None else num_warps,
-        _NUM_STAGES if num_stages is None else num_stages,
+        default[0] if block_n is None else block_n,
+        min(default[1], max(16, triton.next_power_of_2(num_k))) if block_k is None else block_k,
+        default[2] if num_warps is None else num_warps,
+        default[3] if num_stages is None else num_stages,
     )
     for name, value, low, high in (
         ("block_n", launch.block_n, 1, 256),
@@ -141,7 +150,7 @@ def gemv(
         check_same_device(_gemv_kernel, x=x, weight=weight, bias=bias)
     else:
         check_same_device(_gemv_kernel, x=x, weight=weight)
-    cfg = choose_gemv_launch(**launch)
+    cfg = choose_gemv_launch(num_n, num_k, **launch)
     y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(cdiv(num_n, cfg.block_n),)](
         x2,

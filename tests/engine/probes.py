@@ -12,8 +12,8 @@ def record_partial_prefills(llm: LLM) -> list[str]:
     original = scheduler.schedule
     partial: list[str] = []
 
-    def schedule():
-        out = original()
+    def schedule(ahead: bool = False):
+        out = original(ahead=ahead)
         partial.extend(s.request_id for s in out.scheduled if not s.needs_sample)
         return out
 

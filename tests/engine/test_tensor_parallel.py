@@ -186,11 +186,11 @@ def test_a_killed_worker_raises_a_clear_error(tiny_model_factory):
     schedule = scheduler.schedule
     steps = []
 
-    def schedule_then_kill():
+    def schedule_then_kill(ahead: bool = False):
         steps.append(1)
         if len(steps) == 3:  # mid-run: prompts prefilled, decoding
             os.kill(pid, signal.SIGKILL)
-        return schedule()
+        return schedule(ahead=ahead)
 
     scheduler.schedule = schedule_then_kill
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)

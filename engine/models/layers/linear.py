@@ -24,9 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchlm.kernels import use_triton_kernels
+
 if TYPE_CHECKING:
     from ...worker.parallel import TPGroup
     from .quant import LinearMethod
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`F.linear`, or for one half-precision row on CUDA (a decode step at batch 1) the
+    Triton matrix-vector kernel, which reads the weight faster than cuBLAS there."""
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x):
+        from batchlm.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+_GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _divide(total: int, tp_size: int, what: str) -> int:
@@ -43,12 +58,12 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out], no bias
         if self.quant_method is None:
-            return F.linear(x, self.weight)
+            return linear(x, self.weight)
         return self.quant_method.apply(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
         if self.quant_method is None:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         out = self.quant_method.apply(self, x)
         return out if self.bias is None else out + self.bias
 
@@ -146,6 +161,13 @@ class VocabParallelEmbedding(nn.Embedding, _VocabShard):
         return self.tp.all_reduce(out)
 
 
+class LMHead(nn.Linear):
+    """The LM head of one rank (an `nn.Linear`, not a `Linear`: never quantized)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, vocab]
+        return linear(x, self.weight, self.bias)
+
+
 class ParallelLMHead(nn.Linear, _VocabShard):
     """LM head with the vocabulary split across ranks: each rank scores its token range, an
     all-gather puts the ranges side by side, and the padding columns are dropped."""
@@ -155,7 +177,7 @@ class ParallelLMHead(nn.Linear, _VocabShard):
         nn.Linear.__init__(self, hidden_size, rows, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, vocab]
-        logits = self.tp.all_gather_last_dim(F.linear(x, self.weight))
+        logits = self.tp.all_gather_last_dim(linear(x, self.weight))
         return logits[:, : self.org_vocab_size]
 
 
@@ -180,7 +202,7 @@ def vocab_embedding(vocab_size: int, hidden_size: int, tp: TPGroup | None) -> nn
 
 
 def lm_head(hidden_size: int, vocab_size: int, tp: TPGroup | None) -> nn.Linear:
-    """A vocabulary-parallel LM head, or a plain bias-free `nn.Linear` on one rank."""
+    """A vocabulary-parallel LM head, or a plain bias-free one on one rank."""
     if _is_parallel(tp):
         return ParallelLMHead(hidden_size, vocab_size, tp)
-    return nn.Linear(hidden_size, vocab_size, bias=False)
+    return LMHead(hidden_size, vocab_size, bias=False)
