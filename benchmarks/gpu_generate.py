@@ -178,6 +178,11 @@ def make_llm(folder: Path, args, **kwargs) -> LLM:
         skip_tokenizer_init=True,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.85,
+        **(
+            {"max_num_batched_tokens": args.max_num_batched_tokens}
+            if args.max_num_batched_tokens
+            else {}
+        ),
         **kwargs,
     )
 
@@ -508,6 +513,9 @@ def main() -> None:
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="engine default if unset"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     args = ap.parse_args()
