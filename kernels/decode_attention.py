@@ -29,7 +29,9 @@ import triton.language as tl
 from .launch import (
     NO_WINDOW,
     cdiv,
+    check_num_stages,
     check_paged_attention,
+    check_power_of_2,
     check_same_device,
     dot_dtype,
     next_power_of_2,
@@ -264,17 +266,6 @@ class DecodeLaunch(NamedTuple):
     """Block-table loads per key tile; 0: one per key."""
 
 
-def _check_power_of_2(name: str, value: object, low: int, high: int, why: str) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not low <= value <= high
-        or value & (value - 1)
-    ):
-        raise ValueError(f"{name}={value!r} must be a power of two in [{low}, {high}] ({why})")
-    return value
-
-
 def choose_launch(
     dtype: torch.dtype,
     head_dim: int,
@@ -314,14 +305,13 @@ def choose_launch(
     """
     if block_n is None:
         block_n = _BLOCK_N // 2 if dtype == torch.float32 or head_dim > 128 else _BLOCK_N
-    _check_power_of_2("block_n", block_n, 16, 256, "tl.dot needs at least 16 keys per tile")
-    num_warps = _check_power_of_2(
+    check_power_of_2("block_n", block_n, 16, 256, "tl.dot needs at least 16 keys per tile")
+    num_warps = check_power_of_2(
         "num_warps", _NUM_WARPS if num_warps is None else num_warps, 1, 16, "warps per program"
     )
     if num_stages is None:
         num_stages = _NUM_STAGES
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
-        raise ValueError(f"num_stages={num_stages!r} must be an integer in [1, 8]")
+    check_num_stages(num_stages)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, context_len, device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:

@@ -19,7 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import FLOAT_DTYPES, cdiv, check_same_device, check_tensor
+from .launch import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_num_stages,
+    check_power_of_2,
+    check_same_device,
+    check_tensor,
+)
 
 __all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
@@ -101,21 +108,10 @@ def choose_gemv_launch(
         default[2] if num_warps is None else num_warps,
         default[3] if num_stages is None else num_stages,
     )
-    for name, value, low, high in (
-        ("block_n", launch.block_n, 1, 256),
-        ("block_k", launch.block_k, 16, 4096),
-        ("num_warps", launch.num_warps, 1, 16),
-    ):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not low <= value <= high
-            or value & (value - 1)
-        ):
-            raise ValueError(f"{name}={value!r} must be a power of two in [{low}, {high}]")
-    stages = launch.num_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 8:
-        raise ValueError(f"num_stages={stages!r} must be an integer in [1, 8]")
+    check_power_of_2("block_n", launch.block_n, 1, 256, "output features per program")
+    check_power_of_2("block_k", launch.block_k, 16, 4096, "input features per tile")
+    check_power_of_2("num_warps", launch.num_warps, 1, 16, "warps per program")
+    check_num_stages(launch.num_stages)
     return launch
 
 

@@ -172,3 +172,22 @@ def dot_dtype(dtype: torch.dtype, kernel: object) -> tl.dtype:
     if dtype == torch.bfloat16 and is_interpreted(kernel):
         return tl.float32
     return _TL_DTYPES[dtype]
+
+
+def check_power_of_2(name: str, value: object, low: int, high: int, why: str) -> int:
+    """`value`, or `ValueError` unless it is a power of two in `[low, high]`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not low <= value <= high
+        or value & (value - 1)
+    ):
+        raise ValueError(f"{name}={value!r} must be a power of two in [{low}, {high}] ({why})")
+    return value
+
+
+def check_num_stages(num_stages: object) -> int:
+    """`num_stages`, or `ValueError` unless it is an integer in [1, 8]."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages={num_stages!r} must be an integer in [1, 8]")
+    return num_stages
