@@ -39,7 +39,13 @@ from ..models.registry import get_model_class
 from ..spec_decode.rejection import spec_sample_rows
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_graph_sizes
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
-from .step_buffers import StepBuffers, StepInputs, fill_tokens, to_device
+from .step_buffers import (
+    StepBuffers,
+    StepInputs,
+    fill_tokens,
+    start_copy_to_host,
+    to_device,
+)
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
@@ -627,7 +633,7 @@ class ModelRunner:
                 named["mask_bits"] = result.sampling_mask_bits
         for i, t in enumerate(prompt_result):
             named[f"prompt{i}"] = t
-        copies, copied = _start_copy_to_host(list(named.values()))
+        copies, copied = start_copy_to_host(list(named.values()))
         return PendingOutput(
             lambda: self._unpack(reqs, dict(zip(named, copies, strict=True)), prompt_jobs),
             copied,
@@ -735,24 +741,10 @@ class _Samples:
 
 def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copy device tensors to the host with a single wait for the device."""
-    host, copied = _start_copy_to_host(tensors)
+    host, copied = start_copy_to_host(tensors)
     if copied is not None:
         copied.synchronize()
     return host
-
-
-def _start_copy_to_host(
-    tensors: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """Queue copies of device tensors to the host; the event marks them done (None when
-    they are done already: CPU tensors, or nothing to copy)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.cpu() for t in tensors], None
-    # Non-blocking copies from CUDA land in pinned memory; one event covers them all.
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensors[0].device))
-    return host, event
 
 
 def _device_scope(device: torch.device) -> contextlib.AbstractContextManager:

@@ -24,6 +24,7 @@ from ..loader.weights import build_model
 from ..models.layers.pooler import PoolingType, pool
 from ..models.registry import build_pooling_model_kwargs, pooling_task_of
 from ..pooling_params import PoolingParams
+from .step_buffers import start_copy_to_host
 
 # On CPU a forward of more tokens than this gains nothing from matmul efficiency, while its
 # activations fall out of cache and the elementwise ops (GELU, bias, norms) turn memory-bound.
@@ -239,12 +240,7 @@ class PoolingRunner:
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:
         """Starts copying device results to the host; `_HostCopy.wait()` returns them."""
-        if self.device.type == "cpu":
-            return _HostCopy(tensors, None)
-        host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned, asynchronous
-        done = torch.cuda.Event()
-        done.record()
-        return _HostCopy(host, done)
+        return _HostCopy(*start_copy_to_host(tensors))
 
     # ---- tasks ------------------------------------------------------------------------
 

@@ -229,6 +229,20 @@ def fill_tokens(
     input_ids[index[0]] = samples[index[1]].to(input_ids.dtype)
 
 
+def start_copy_to_host(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Queue copies of device tensors to the host; the event marks them done (None when
+    they are done already: CPU tensors, or nothing to copy)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors], None
+    # Non-blocking copies from CUDA land in pinned memory; one event covers them all.
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return host, event
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device`: through page-locked memory and a non-blocking copy on
     CUDA (no wait for the device), as is on CPU."""
