@@ -12,6 +12,8 @@ each step is a pure decode step. Over those steps it prints:
 - the top 25 CUDA kernels by total time: calls, calls per step, per-call and per-step µs.
 
 W3: batch 1, 32-token prompt, 64 output tokens, greedy (run inside CUDA graphs).
+W1-prefill: W1's prompts with one output token each: the prefill phase alone (steps of
+    max_num_batched_tokens prompt tokens), wall against GPU busy, its top kernels.
 W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-steps decode
     steps with all 256 running after the last prefill chunk (chunked prefill interleaves the
     first requests' decodes with the later prompts, so those steps come late).
@@ -143,7 +145,9 @@ def busy_us(events) -> float:
     return total
 
 
-def kernel_table(events, num_steps: int, is_cuda: bool) -> tuple[list[str], float]:
+def kernel_table(
+    events, num_steps: int, is_cuda: bool, what_steps: str = "decode steps"
+) -> tuple[list[str], float]:
     """The top kernels by total time as text lines, and the busy time per step (µs)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
@@ -155,7 +159,7 @@ def kernel_table(events, num_steps: int, is_cuda: bool) -> tuple[list[str], floa
     all_us = sum(us for _, us in totals.values()) or 1.0
     what = "CUDA kernels / copies" if is_cuda else "CPU ops (self time)"
     lines = [
-        f"top {TOP_KERNELS} {what} by total time over {num_steps} decode steps",
+        f"top {TOP_KERNELS} {what} by total time over {num_steps} {what_steps}",
         f"{'calls':>7} {'/step':>6} {'total ms':>9} {'us/call':>9} {'us/step':>9} {'%':>5}  name",
     ]
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
@@ -215,12 +219,52 @@ def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, 
     ]
 
 
+def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
+    """The prompts with one output token each, run twice: timed, then profiled (the
+    prefix cache emptied before each)."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    is_cuda = torch.cuda.is_available()
+
+    def run(tag: str) -> tuple[int, float]:
+        llm.reset_prefix_cache()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{name}-{tag}-{i}", prompt, params)
+        steps = 0
+        synchronize()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        synchronize()
+        return steps, time.perf_counter() - start
+
+    num_steps, wall = run("timed")
+    activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        _, wall_profiled = run("profiled")
+    table, busy = kernel_table(device_events(prof), num_steps, is_cuda, "prefill steps")
+    num_tokens = sum(len(p) for p in prompts)
+    wall_us = wall * 1e6 / num_steps
+    return [
+        f"== {name}: {len(prompts)} prompts, {num_tokens} tokens, one output token each; "
+        f"{num_steps} steps in {wall:.3f} s ({num_tokens / wall:,.0f} prompt tokens/s; "
+        f"under the profiler {wall_profiled:.3f} s)",
+        f"wall per step:                   {wall_us / 1e3:9.3f} ms",
+        f"{'GPU' if is_cuda else 'CPU'} busy per step:               {busy / 1e3:9.3f} ms",
+        f"host overhead (wall - busy):     {(wall_us - busy) / 1e3:9.3f} ms "
+        f"({100 * (wall_us - busy) / wall_us:.1f}% of the step)",
+        *table,
+        "",
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None, help="also write the tables to this text file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--workload", action="append", choices=["W3", "W1"])
+    ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill"])
     ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
     ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
@@ -266,6 +310,8 @@ def main() -> int:
             report = profile_workload(
                 llm, "W3", prompts_of([32], vocab, 0), max_tokens, steps, warmup
             )
+        elif workload == "W1-prefill":
+            report = profile_prefill(llm, workload, prompts_of([512] * 256, vocab, 0))
         else:
             steps, warmup = args.w1_steps, 2
             budget = llm.llm_engine.config.scheduler.max_num_batched_tokens
