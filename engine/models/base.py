@@ -31,8 +31,9 @@ class CausalLM(nn.Module, ABC):
         """Run the decoder over a flattened batch, writing this step's KV into the cache."""
 
     @abstractmethod
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[num_rows, hidden_size]` → `[num_rows, vocab_size]` float32 logits."""
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """`[num_rows, hidden_size]` → `[num_rows, vocab_size]` logits: float32, or the
+        model's dtype with `upcast=False` (enough for an argmax: the upcast is exact)."""
 
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, int, int]:

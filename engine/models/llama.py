@@ -224,8 +224,9 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, kv_caches, metadata):
         return self.model(input_ids, positions, kv_caches, metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden_states)
+        return logits.float() if upcast else logits
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         c = self.config

@@ -380,8 +380,6 @@ class ModelRunner:
             self._last_samples = None
             return self._to_host([], None, prompt_jobs, prompt_result)
         dev = self.device
-        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
-        # logits: [num_sampled, vocab]
         sampled_reqs = [r for r in reqs if r.needs_sample]
         generators = {}
         for row, r in enumerate(sampled_reqs):
@@ -389,6 +387,7 @@ class ModelRunner:
             if gen is not None:
                 generators[row] = gen
         if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
+            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             out = self._to_host([], None, prompt_jobs, prompt_result).result()
             self.spec.verify(logits, sampled_reqs, generators, out)
             self._last_samples = None
@@ -402,6 +401,10 @@ class ModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in sampled_reqs],
             eos_token_ids=[r.eos_token_id for r in sampled_reqs],
             return_sampling_mask=self.return_sampling_mask,
+        )
+        # [num_sampled, vocab]; an argmax alone reads them in the model's dtype.
+        logits = self.model.compute_logits(
+            self._sample_hidden(hidden, inputs), upcast=not meta.is_argmax_only
         )
         result = self.sampler(logits, meta)
         self._last_samples = _Samples(

@@ -64,6 +64,12 @@ class SamplingMetadata:
     return_sampling_mask: bool = False
     """Also return, per row, the tokens that survive the filtering (see SamplerOutput)."""
 
+    @property
+    def is_argmax_only(self) -> bool:
+        """Every row greedy with nothing else reading the logits: an argmax, which gives
+        the same token in the model's dtype as in float32 (the upcast is exact)."""
+        return self.all_greedy and self.max_num_logprobs is None and self.processing is None
+
     @classmethod
     def build(
         cls,
@@ -312,7 +318,8 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """`logits`: `[num_rows, vocab_size]` float32 (left unchanged)."""
+        """`logits`: `[num_rows, vocab_size]` float32 (left unchanged); the model's dtype
+        is enough when `meta.is_argmax_only`."""
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )

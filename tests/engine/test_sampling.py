@@ -188,3 +188,37 @@ def test_stop_string_straddling_a_token_boundary(llm, include):
     assert out.text == base.text[: cut + (len(stop) if include else 0)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == base.token_ids[: k + 2]
+
+
+def test_argmax_only_steps_read_logits_in_the_model_dtype(tiny_model_factory):
+    """Greedy rows with nothing else reading the logits take the LM head's bf16 output
+    as is; anything that reads values (logprobs, penalties, sampling) gets float32."""
+    cpu = torch.device("cpu")
+    greedy = SamplingParams(temperature=0.0)
+
+    def meta(*params):
+        return SamplingMetadata.build(
+            list(params), {}, 50, cpu, output_token_ids=[[]] * len(params)
+        )
+
+    assert meta(greedy, greedy).is_argmax_only
+    assert not meta(greedy, SamplingParams(temperature=0.7)).is_argmax_only
+    assert not meta(greedy, SamplingParams(temperature=0.0, logprobs=2)).is_argmax_only
+    assert not meta(SamplingParams(temperature=0.0, repetition_penalty=1.2)).is_argmax_only
+
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", max_model_len=128, seed=0)
+    try:
+        prompts = ["red green blue", "one two three four five six", "the quick brown fox"]
+        fast = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+        # With logprobs every logit is upcast first: the argmax is the same token.
+        full = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1), use_tqdm=False
+        )
+        model = llm.llm_engine.runner.model
+        hidden = torch.randn(4, model.config.hidden_size, dtype=torch.bfloat16)
+        raw = model.compute_logits(hidden, upcast=False)
+        assert raw.dtype == torch.bfloat16
+        assert torch.equal(raw.float(), model.compute_logits(hidden))
+    finally:
+        llm.shutdown()
+    assert tokens(fast) == tokens(full)
