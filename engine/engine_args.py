@@ -208,20 +208,16 @@ class EngineArgs:
     def _async_scheduling(
         self, runner_type: str, device: torch.device, speculative: SpeculativeConfig | None
     ) -> bool:
-        """None (auto): on for generation on CUDA with one rank and no speculation."""
+        """None (auto): on for generation on CUDA without speculation."""
         if runner_type == "pooling":
             return False
-        conflict = None
-        if self.tensor_parallel_size > 1:
-            conflict = f"tensor_parallel_size={self.tensor_parallel_size}"
-        elif speculative is not None:
-            conflict = "speculative decoding"
         if self.async_scheduling is None:
-            return device.type == "cuda" and conflict is None
-        if self.async_scheduling and conflict is not None:
+            return device.type == "cuda" and speculative is None
+        if self.async_scheduling and speculative is not None:
             raise InvalidParamError(
-                f"async_scheduling=True is not supported with {conflict} (every step needs "
-                "the previous step's tokens on the host there); drop async_scheduling"
+                "async_scheduling=True is not supported with speculative decoding (every "
+                "step's drafts need the previous step's tokens on the host); drop "
+                "async_scheduling or speculative_config"
             )
         return self.async_scheduling
 

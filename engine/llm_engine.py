@@ -80,6 +80,7 @@ class LLMEngine:
         """Rank 0's runner (the only one with tensor_parallel_size=1)."""
         self.runner.return_sampling_mask = config.return_sampling_mask
         self._execute_model = self.executor.execute_model
+        self._launch_model = self.executor.launch_model
         block_size = config.cache.block_size
         max_len = mc.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
@@ -249,7 +250,7 @@ class LLMEngine:
             inflight = None
         sched_out = self._schedule(ahead=inflight is not None)
         try:
-            launched = (sched_out, self.runner.launch_model(sched_out))
+            launched = (sched_out, self._launch_model(sched_out))
         except BaseException:
             self.scheduler.undo_schedule(sched_out)
             if inflight is not None:

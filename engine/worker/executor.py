@@ -69,6 +69,7 @@ class Executor:
         if hasattr(runner, "execute_model"):
             # The engine calls the runner directly: no indirection on the single-rank path.
             self.execute_model = runner.execute_model
+            self.launch_model = runner.launch_model
 
     @property
     def runner(self) -> Any:
@@ -179,6 +180,7 @@ class MultiprocExecutor(Executor):
             raise
         super().__init__(runner)
         self.execute_model = self._execute_model
+        self.launch_model = self._launch_model
         self._store = store  # NCCL sets up its communicators at the first collective, via the store
         self._start_watchdog()
         logger.info(
@@ -272,6 +274,16 @@ class MultiprocExecutor(Executor):
         self.check_health()
         try:
             return self.runner.execute_model(scheduler_output)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _launch_model(self, scheduler_output: Any) -> Any:
+        """`runner.launch_model`, with a failure (now or when the output is awaited)
+        handled like a failed step."""
+        self.check_health()
+        try:
+            return _WatchedOutput(self, self.runner.launch_model(scheduler_output))
         except BaseException as e:
             self._fail(e)
             raise
@@ -448,6 +460,21 @@ class MultiprocExecutor(Executor):
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
         return [w.pid for w in self._workers]
+
+
+class _WatchedOutput:
+    """A launched step's pending output whose failure stops the ranks (`_fail`)."""
+
+    def __init__(self, executor: MultiprocExecutor, pending: Any) -> None:
+        self._executor = executor
+        self._pending = pending
+
+    def result(self) -> Any:
+        try:
+            return self._pending.result()
+        except BaseException as e:
+            self._executor._fail(e)
+            raise
 
 
 def create_executor(config: EngineConfig) -> Executor:

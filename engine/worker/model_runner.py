@@ -179,6 +179,9 @@ class ModelRunner:
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
         self._last_samples: _Samples | None = None
+        self.share_samples = tp is not None and config.scheduler.async_scheduling
+        """Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled
+        ids, so that every rank reads the next step's tokens in flight on its device."""
         self.num_tokens_from_device = 0
         """Input tokens read from the previous step's samples on the device (async
         scheduling), over the runner's lifetime."""
@@ -407,6 +410,8 @@ class ModelRunner:
             self._sample_hidden(hidden, inputs), upcast=not meta.is_argmax_only
         )
         result = self.sampler(logits, meta)
+        if self.share_samples:
+            self.tp.broadcast(result.sampled_token_ids)
         self._last_samples = _Samples(
             result.sampled_token_ids, {r.request_id: row for row, r in enumerate(sampled_reqs)}
         )
@@ -422,8 +427,12 @@ class ModelRunner:
             rows = to_device(inputs.prompt_rows, dev)
             for lo, hi in self._prompt_slices(len(inputs.prompt_rows)):
                 self.model.compute_logits(hidden[rows[lo:hi]])
+        self._last_samples = None
         if len(inputs.sample_rows):
-            self.model.compute_logits(self._sample_hidden(hidden, inputs))
+            self.model.compute_logits(self._sample_hidden(hidden, inputs), upcast=False)
+            if self.share_samples:  # rank 0's sampled ids, for the next step's fills
+                ids = torch.empty(len(inputs.sample_rows), dtype=torch.int64, device=dev)
+                self._last_samples = _Samples(self.tp.broadcast(ids), {})
 
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
@@ -482,8 +491,6 @@ class ModelRunner:
         step's samples."""
         if not len(seqs):
             return np.zeros(0, np.int64)
-        if self.tp is not None:
-            raise RuntimeError("tokens in flight need one rank: async scheduling is TP=1 only")
         rows = self._last_samples.rows if self._last_samples is not None else {}
         try:
             return np.fromiter((rows[reqs[i].request_id] for i in seqs), np.int64, len(seqs))

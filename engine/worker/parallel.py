@@ -45,6 +45,14 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.process_group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`x` of rank `src` into `x` on every rank, in place; returns `x`. (Called on
+        the backend itself: `dist.broadcast` maps `src` through a registered group.)"""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.process_group.broadcast([x], opts).wait()
+        return x
+
     def abort(self) -> None:
         """Best effort: make collectives blocked on a dead peer return with an error (NCCL
         only; gloo notices closed connections by itself)."""

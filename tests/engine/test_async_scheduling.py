@@ -337,8 +337,7 @@ def test_a_failed_launch_undoes_both_steps_and_the_engine_recovers(tiny_model_fa
     llm = LLM(str(path), dtype="float32", seed=0, async_scheduling=True, max_model_len=96)
     try:
         engine = llm.llm_engine
-        runner = engine.runner
-        launch = runner.launch_model
+        launch = engine._launch_model
         calls = {"n": 0}
 
         def failing_launch(sched_out):
@@ -347,7 +346,7 @@ def test_a_failed_launch_undoes_both_steps_and_the_engine_recovers(tiny_model_fa
                 raise RuntimeError("device lost")
             return launch(sched_out)
 
-        runner.launch_model = failing_launch
+        engine._launch_model = failing_launch
         llm.enqueue(prompts, params, use_tqdm=False)
         engine.step()
         engine.step()
@@ -380,5 +379,3 @@ def test_async_scheduling_option_is_checked(tiny_model_factory):
             async_scheduling=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
-    with pytest.raises(InvalidParamError, match="tensor_parallel_size=2"):
-        LLM(path, max_model_len=64, async_scheduling=True, tensor_parallel_size=2)

@@ -179,8 +179,40 @@ def test_single_rank_collective_rpc_runs_in_process(tiny_model_factory):
     assert llm.llm_engine._execute_model == llm.llm_engine.runner.execute_model
 
 
-def test_a_killed_worker_raises_a_clear_error(tiny_model_factory):
-    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2)
+def test_async_scheduling_over_two_ranks_gives_the_tokens_of_one(tiny_model_factory):
+    """Rank 0 broadcasts each step's sampled ids; every rank reads the next step's tokens
+    in flight from them on its device (a rank reading anything else computes a different
+    half of every layer, and the tokens differ)."""
+    path = str(tiny_model_factory("llama"))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    params[1] = SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True)
+    one = LLM(path, max_model_len=128, async_scheduling=False)
+    expected = one.generate(PROMPTS, params, use_tqdm=False)
+    one.shutdown()
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert llm.collective_rpc(lambda w: w.model_runner.share_samples) == [True, True]
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.llm_engine.runner.num_tokens_from_device > 0
+        # A second round on the same ranks, after the first one drained.
+        again = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert tokens(got) == tokens(expected)
+    assert tokens(again) == tokens(expected[:2])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_killed_worker_raises_a_clear_error(async_scheduling, tiny_model_factory):
+    llm = LLM(
+        str(tiny_model_factory("llama")),
+        max_model_len=128,
+        tensor_parallel_size=2,
+        async_scheduling=async_scheduling,
+    )
     (pid,) = llm.llm_engine.executor.worker_pids
     scheduler = llm.llm_engine.scheduler
     schedule = scheduler.schedule
