@@ -267,6 +267,9 @@ def main() -> int:
     ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill"])
     ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
     ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
+    ap.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks (rank 0's kernels profiled)"
+    )
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
     args = ap.parse_args()
     is_cuda = torch.cuda.is_available()
@@ -277,7 +280,8 @@ def main() -> int:
     dtype = torch.bfloat16 if is_cuda else torch.float32
     lines = [
         f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
-        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape, random weights, {dtype}",
+        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape, random weights, {dtype}, "
+        f"tensor_parallel_size={args.tensor_parallel_size}",
     ]
     print(lines[0], flush=True)
     folder = Path(args.model_dir or tempfile.mkdtemp(prefix="profile-decode-"))
@@ -295,6 +299,7 @@ def main() -> int:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.85,
         max_num_seqs=256,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     lines.append(f"engine built in {time.perf_counter() - start:.1f} s")
     print("\n".join(lines[1:]), flush=True)
