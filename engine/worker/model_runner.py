@@ -34,6 +34,7 @@ import torch
 from ..attention.backend import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from ..errors import InvalidParamError
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
 from ..spec_decode.rejection import spec_sample_rows
@@ -247,6 +248,17 @@ class ModelRunner:
             peak / 2**30,
             graph_reserve / 2**30,
         )
+        if num_blocks * self.block_size < self.config.model.max_model_len:
+            util = self.config.cache.gpu_memory_utilization
+            raise InvalidParamError(
+                f"gpu_memory_utilization={util} leaves no room for a KV cache of "
+                f"max_model_len={self.config.model.max_model_len} tokens on {self.device}: "
+                f"{util * total / 2**30:.2f} GiB of {total / 2**30:.2f} GiB allowed, "
+                f"{used_by_others / 2**30:.2f} GiB already used by other processes or "
+                f"engines, {peak / 2**30:.2f} GiB for this engine's weights and activations; "
+                "free the device (shut down other engines), raise gpu_memory_utilization, or "
+                "lower it for the engines that share the device"
+            )
         return num_blocks
 
     def _cuda_graph_reserve(self, activation_bytes: int, num_tokens: int) -> int:

@@ -20,6 +20,9 @@ from ..conftest import TINY_COMMON
 
 PROMPTS = ["red green blue", "one two three four five", "the quick brown fox", "hello"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# On GPUs a one-rank reference engine shares device 0 with a two-rank engine: each gets a
+# share of the memory (no effect on CPU, where the KV cache has a fixed size).
+SHARE = dict(gpu_memory_utilization=0.4)
 # Logprobs of the same tokens: float32 on both sides, only the summation order differs.
 LOGPROB_ATOL = 1e-4
 
@@ -75,7 +78,7 @@ def assert_same_greedy_tokens(path: str, two_ranks: LLM) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2
     )
-    one = LLM(path, max_model_len=128).generate(PROMPTS, params, use_tqdm=False)
+    one = LLM(path, max_model_len=128, **SHARE).generate(PROMPTS, params, use_tqdm=False)
     two = two_ranks.generate(PROMPTS, params, use_tqdm=False)
     assert tokens(two) == tokens(one)
     for a, b in zip(one, two, strict=True):
@@ -93,7 +96,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory, req
         path = str(request.getfixturevalue("odd_vocab_qwen3"))
     else:
         path = str(tiny_model_factory(family))  # qwen2: q/k/v biases, tied embeddings
-    llm = LLM(path, max_model_len=128, tensor_parallel_size=2)
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, **SHARE)
     assert_same_greedy_tokens(path, llm)
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == 1 and all(pid_alive(p) for p in pids)
@@ -116,7 +119,7 @@ def test_head_counts_that_do_not_split_are_refused(smollm2_dir, tiny_model_facto
 
 @pytest.fixture(scope="module")
 def llama_tp2(tiny_model_factory):
-    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2)
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2, **SHARE)
     yield llm
     llm.shutdown()
 
@@ -151,7 +154,7 @@ def test_collective_rpc_timeout(llama_tp2):
         llama_tp2.collective_rpc(lambda w: time.sleep(3 * w.rank), timeout=0.5)
     assert time.monotonic() - start < 2.5
     # The late answer is dropped; steps queued behind it run once the rank is back.
-    expected = LLM(llama_tp2.engine_args.model, max_model_len=128).generate(
+    expected = LLM(llama_tp2.engine_args.model, max_model_len=128, **SHARE).generate(
         PROMPTS, GREEDY, use_tqdm=False
     )
     assert tokens(llama_tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(expected)
@@ -171,7 +174,7 @@ def test_shutdown_ends_every_worker(llama_tp2):
 
 
 def test_single_rank_collective_rpc_runs_in_process(tiny_model_factory):
-    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128)
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, **SHARE)
     assert llm.collective_rpc(lambda w: (w.rank, w.world_size)) == [(0, 1)]
     assert llm.collective_rpc("pid") == [os.getpid()]
     with pytest.raises(TimeoutError):
@@ -189,10 +192,10 @@ def test_async_scheduling_over_two_ranks_gives_the_tokens_of_one(tiny_model_fact
         for i in range(len(PROMPTS))
     ]
     params[1] = SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True)
-    one = LLM(path, max_model_len=128, async_scheduling=False)
+    one = LLM(path, max_model_len=128, async_scheduling=False, **SHARE)
     expected = one.generate(PROMPTS, params, use_tqdm=False)
     one.shutdown()
-    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, async_scheduling=True)
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, async_scheduling=True, **SHARE)
     try:
         assert llm.collective_rpc(lambda w: w.model_runner.share_samples) == [True, True]
         got = llm.generate(PROMPTS, params, use_tqdm=False)
