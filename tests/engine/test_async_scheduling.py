@@ -22,6 +22,7 @@ from batchlm.engine.core.scheduler import PLACEHOLDER_TOKEN  # noqa: E402
 from batchlm.engine.errors import InvalidParamError  # noqa: E402
 from batchlm.engine.worker.step_buffers import fill_tokens  # noqa: E402
 
+from .test_cuda_graphs import _prompts, _tokens  # noqa: E402
 from .test_scheduler import add, make_scheduler, steps  # noqa: E402
 
 # ---- the scheduler, by hand -----------------------------------------------------------------
@@ -137,18 +138,6 @@ def test_fill_tokens_writes_the_sampled_ids_into_their_rows():
 # ---- the engine, against the same engine in sync mode ---------------------------------------
 
 
-def _prompts(num: int, seed: int, shared: int = 0) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, 49000, (shared,), generator=gen).tolist()
-    return [
-        {
-            "prompt_token_ids": prefix
-            + torch.randint(3, 49000, (2 + 3 * (i % 7),), generator=gen).tolist()
-        }
-        for i in range(num)
-    ]
-
-
 def _generate(path, prompts, params, async_scheduling: bool, **options):
     llm = LLM(str(path), dtype="float32", seed=0, async_scheduling=async_scheduling, **options)
     try:
@@ -201,7 +190,7 @@ def _assert_same(path, prompts, params, **options):
 
 def test_mixed_lengths_stops_and_seeds_equal_sync(tiny_model_factory):
     path = tiny_model_factory("llama")
-    prompts = _prompts(12, seed=1)
+    prompts = _prompts(12, shared=0, seed=1)
     params = []
     for i in range(12):
         kind = i % 4
@@ -219,7 +208,7 @@ def test_mixed_lengths_stops_and_seeds_equal_sync(tiny_model_factory):
 
 def test_stop_strings_end_requests_with_a_step_in_flight(tiny_model_factory):
     path = tiny_model_factory("llama")
-    prompts = _prompts(6, seed=2)
+    prompts = _prompts(6, shared=0, seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     texts = [
         o.outputs[0].text for o in _generate(path, prompts, greedy, False, max_model_len=96)[0]
@@ -244,7 +233,7 @@ def test_stop_strings_end_requests_with_a_step_in_flight(tiny_model_factory):
 
 def test_penalties_min_tokens_and_n_equal_sync(tiny_model_factory):
     path = tiny_model_factory("qwen2")
-    prompts = _prompts(6, seed=3)
+    prompts = _prompts(6, shared=0, seed=3)
     params = [
         SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3),
         SamplingParams(temperature=0.8, seed=7, max_tokens=10, presence_penalty=0.5),
@@ -261,11 +250,11 @@ def test_preemption_in_a_small_cache_equals_sync(tiny_model_factory):
     """A KV cache that cannot hold every request: steps scheduled ahead block instead of
     preempting, the engine waits for the step in flight, and the synced step preempts."""
     path = tiny_model_factory("llama")
-    prompts = _prompts(10, seed=4, shared=20)
+    prompts = _prompts(10, shared=20, seed=4)
     params = [
         SamplingParams(temperature=0.0, max_tokens=20 + 2 * i, ignore_eos=True) for i in range(10)
     ]
-    options = dict(max_model_len=80, num_gpu_blocks_override=20, block_size=4)
+    options = dict(max_model_len=96, num_gpu_blocks_override=24, block_size=4)
     sync, info = _assert_same(path, prompts, params, **options)
     assert info["sync_preemptions"] > 0 and info["preemptions"] > 0
     assert info["from_device"] > 0
@@ -275,7 +264,7 @@ def test_static_decode_path_reads_tokens_from_the_device(tiny_model_factory):
     """The padded static-buffer path (what CUDA graphs replay), fed by the previous step's
     samples, against the plain path in sync mode (interpreted kernels on CPU)."""
     path = tiny_model_factory("llama")
-    prompts = _prompts(4, seed=5)
+    prompts = _prompts(4, shared=0, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     options = dict(max_model_len=64, max_num_seqs=4, attention_backend="triton", enforce_eager=True)
     sync, _ = _generate(path, prompts, params, False, **options)
@@ -288,15 +277,20 @@ def test_static_decode_path_reads_tokens_from_the_device(tiny_model_factory):
         assert runner.num_tokens_from_device > 0
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in sync]
+    assert _tokens(ahead) == _tokens(sync)
+
+
+def _stepwise(path, num: int, seed: int, max_tokens: int):
+    """Greedy prompts, their outputs in sync mode, and an async engine to drive by hand."""
+    prompts = _prompts(num, shared=0, seed=seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sync, _ = _generate(path, prompts, params, False, max_model_len=96)
+    llm = LLM(str(path), dtype="float32", seed=0, async_scheduling=True, max_model_len=96)
+    return prompts, params, _tokens(sync), llm
 
 
 def test_queue_api_and_abort_with_a_step_in_flight(tiny_model_factory):
-    path = tiny_model_factory("llama")
-    prompts = _prompts(5, seed=6)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    sync, _ = _generate(path, prompts, params, False, max_model_len=96)
-    llm = LLM(str(path), dtype="float32", seed=0, async_scheduling=True, max_model_len=96)
+    prompts, params, expected, llm = _stepwise(tiny_model_factory("llama"), 5, 6, 10)
     try:
         engine = llm.llm_engine
         ids = llm.enqueue(prompts, params, use_tqdm=False)
@@ -306,7 +300,7 @@ def test_queue_api_and_abort_with_a_step_in_flight(tiny_model_factory):
         assert engine._inflight is not None
         # The queue API finishes what is in flight.
         first = llm.wait_for_completion(use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in sync]
+        assert _tokens(first) == expected
         assert engine._inflight is None
 
         ids = llm.enqueue(prompts, params, use_tqdm=False)
@@ -320,21 +314,17 @@ def test_queue_api_and_abort_with_a_step_in_flight(tiny_model_factory):
         got = {o.request_id: o for o in done}
         assert set(got) == {ids[i] for i in (0, 2, 3, 4)}
         for i in (0, 2, 3, 4):
-            assert got[ids[i]].outputs[0].token_ids == sync[i].outputs[0].token_ids
+            assert got[ids[i]].outputs[0].token_ids == expected[i]
         assert engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
         # The engine goes on serving.
         again = llm.generate(prompts[:2], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in sync[:2]]
+        assert _tokens(again) == expected[:2]
     finally:
         llm.shutdown()
 
 
 def test_a_failed_launch_undoes_both_steps_and_the_engine_recovers(tiny_model_factory):
-    path = tiny_model_factory("llama")
-    prompts = _prompts(4, seed=7)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    sync, _ = _generate(path, prompts, params, False, max_model_len=96)
-    llm = LLM(str(path), dtype="float32", seed=0, async_scheduling=True, max_model_len=96)
+    prompts, params, expected, llm = _stepwise(tiny_model_factory("llama"), 4, 7, 8)
     try:
         engine = llm.llm_engine
         launch = engine._launch_model
@@ -355,7 +345,7 @@ def test_a_failed_launch_undoes_both_steps_and_the_engine_recovers(tiny_model_fa
         assert engine._inflight is None
         assert len(engine.scheduler.waiting) == 4 and not engine.scheduler.running
         done = llm.wait_for_completion(use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in done] == [o.outputs[0].token_ids for o in sync]
+        assert _tokens(done) == expected
         assert engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
     finally:
         llm.shutdown()
