@@ -258,7 +258,9 @@ class LLMEngine:
             raise
         if inflight is not None:
             finished += self._complete(inflight, newer=sched_out)
-        if sched_out.is_empty:
+        # Nothing left to launch after it (or only requests that ended meanwhile, by a
+        # stop string, say): finish the step now, so no step outlives its requests.
+        if sched_out.is_empty or not self.scheduler.has_unfinished_requests():
             return finished + self._complete(launched)
         self._inflight = launched
         return finished

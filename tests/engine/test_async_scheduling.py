@@ -149,6 +149,7 @@ def _generate(path, prompts, params, async_scheduling: bool, **options):
             "preemptions": engine.stats().num_preemptions,
             "free_blocks": engine.kv_cache.pool.num_free_blocks,
             "num_blocks": engine.num_kv_blocks,
+            "idle": engine._inflight is None,
         }
     finally:
         llm.shutdown()
@@ -227,6 +228,7 @@ def test_stop_strings_end_requests_with_a_step_in_flight(tiny_model_factory):
         )
     sync, info = _assert_same(path, prompts, params, max_model_len=96)
     assert info["from_device"] > 0
+    assert info["idle"]  # no step left in flight once every request has ended
     stopped = [o for o in sync if o.outputs[0].finish_reason == "stop"]
     assert len(stopped) >= 4 and all(len(o.outputs[0].token_ids) < 24 for o in stopped)
 
