@@ -271,12 +271,7 @@ class MultiprocExecutor(Executor):
             w.conn.send_bytes(data)
 
     def _execute_model(self, scheduler_output: Any) -> Any:
-        self.check_health()
-        try:
-            return self.runner.execute_model(scheduler_output)
-        except BaseException as e:
-            self._fail(e)
-            raise
+        return self._launch_model(scheduler_output).result()
 
     def _launch_model(self, scheduler_output: Any) -> Any:
         """`runner.launch_model`, with a failure (now or when the output is awaited)

@@ -395,6 +395,7 @@ class ModelRunner:
             self._last_samples = None
             return self._to_host([], None, prompt_jobs, prompt_result)
         dev = self.device
+        sample_hidden = self._sample_hidden(hidden, inputs)
         sampled_reqs = [r for r in reqs if r.needs_sample]
         generators = {}
         for row, r in enumerate(sampled_reqs):
@@ -402,7 +403,7 @@ class ModelRunner:
             if gen is not None:
                 generators[row] = gen
         if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
-            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
+            logits = self.model.compute_logits(sample_hidden)
             out = self._to_host([], None, prompt_jobs, prompt_result).result()
             self.spec.verify(logits, sampled_reqs, generators, out)
             self._last_samples = None
@@ -418,9 +419,7 @@ class ModelRunner:
             return_sampling_mask=self.return_sampling_mask,
         )
         # [num_sampled, vocab]; an argmax alone reads them in the model's dtype.
-        logits = self.model.compute_logits(
-            self._sample_hidden(hidden, inputs), upcast=not meta.is_argmax_only
-        )
+        logits = self.model.compute_logits(sample_hidden, upcast=not meta.is_argmax_only)
         result = self.sampler(logits, meta)
         if self.share_samples:
             self.tp.broadcast(result.sampled_token_ids)
