@@ -175,6 +175,16 @@ def kernel_table(
     return lines, busy / num_steps
 
 
+def busy_lines(wall_us: float, busy_us: float, is_cuda: bool, step: str) -> list[str]:
+    """The busy time per step and the host overhead (wall - busy), as report lines."""
+    label = f"{'GPU' if is_cuda else 'CPU'} busy per {step}:"
+    return [
+        f"{label:<32} {busy_us / 1e3:9.3f} ms",
+        f"{'host overhead (wall - busy):':<32} {(wall_us - busy_us) / 1e3:9.3f} ms "
+        f"({100 * (wall_us - busy_us) / wall_us:.1f}% of the step)",
+    ]
+
+
 def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, warmup: int):
     """Prefill, then `warmup` decode steps, `steps` timed ones and `steps` profiled ones;
     returns the report's lines."""
@@ -211,9 +221,7 @@ def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, 
         f"{warmup} warm-up + {steps} timed + {steps} profiled decode steps",
         f"wall per decode step:            {wall_us / 1e3:9.3f} ms "
         f"(under the profiler {wall_profiled * 1e3:.3f} ms)",
-        f"{'GPU' if is_cuda else 'CPU'} busy per decode step:        {busy / 1e3:9.3f} ms",
-        f"host overhead (wall - busy):     {(wall_us - busy) / 1e3:9.3f} ms "
-        f"({100 * (wall_us - busy) / wall_us:.1f}% of the step)",
+        *busy_lines(wall_us, busy, is_cuda, "decode step"),
         *table,
         "",
     ]
@@ -251,9 +259,7 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
         f"{num_steps} steps in {wall:.3f} s ({num_tokens / wall:,.0f} prompt tokens/s; "
         f"under the profiler {wall_profiled:.3f} s)",
         f"wall per step:                   {wall_us / 1e3:9.3f} ms",
-        f"{'GPU' if is_cuda else 'CPU'} busy per step:               {busy / 1e3:9.3f} ms",
-        f"host overhead (wall - busy):     {(wall_us - busy) / 1e3:9.3f} ms "
-        f"({100 * (wall_us - busy) / wall_us:.1f}% of the step)",
+        *busy_lines(wall_us, busy, is_cuda, "step"),
         *table,
         "",
     ]
