@@ -9,7 +9,10 @@ each step is a pure decode step. Over those steps it prints:
 - the wall time per decode step (without the profiler, then with it),
 - the GPU busy time per decode step (the union of every kernel's and copy's interval),
   so host overhead = wall - GPU busy,
-- the top 25 CUDA kernels by total time: calls, calls per step, per-call and per-step µs.
+- the top 25 CUDA kernels by total time: calls, calls per step, per-call and per-step µs,
+- with --host-profile, rank 0's Python functions over as many more steps (cProfile, its
+  overhead included): where the host's share of a step goes, and how long it waits for
+  the device.
 
 W3: batch 1, 32-token prompt, 64 output tokens, greedy (run inside CUDA graphs).
 W1-prefill: W1's prompts with one output token each: the prefill phase alone (steps of
@@ -25,7 +28,10 @@ W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-st
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import shutil
 import sys
 import tempfile
@@ -185,9 +191,39 @@ def busy_lines(wall_us: float, busy_us: float, is_cuda: bool, step: str) -> list
     ]
 
 
-def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, warmup: int):
-    """Prefill, then `warmup` decode steps, `steps` timed ones and `steps` profiled ones;
-    returns the report's lines."""
+def host_profile_lines(engine, num_steps: int) -> list[str]:
+    """`num_steps` engine steps under cProfile: rank 0's functions by own time and by
+    cumulative time, per step."""
+    prof = cProfile.Profile()
+    synchronize()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(num_steps):
+        engine.step()
+    synchronize()
+    prof.disable()
+    wall = time.perf_counter() - start
+    lines = [f"host profile (cProfile) over {num_steps} steps: {wall / num_steps * 1e3:.3f} ms "
+             "per step with its overhead; seconds are totals over the steps"]  # fmt: skip
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+        body = text.getvalue()
+        lines += [f"-- by {key}", *body[body.find("ncalls") :].rstrip().splitlines()]
+    return lines
+
+
+def profile_workload(
+    llm: LLM,
+    name: str,
+    prompts,
+    max_tokens: int,
+    steps: int,
+    warmup: int,
+    host_profile: bool = False,
+):
+    """Prefill, then `warmup` decode steps, `steps` timed ones, `steps` profiled ones and
+    (with `host_profile`) `steps` under cProfile; returns the report's lines."""
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     for i, prompt in enumerate(prompts):
@@ -208,6 +244,7 @@ def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, 
     activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         wall_profiled = timed_steps(engine, steps)
+    host = host_profile_lines(engine, steps) if host_profile else []
     if not is_decode_only(engine, len(prompts)):
         raise RuntimeError(f"{name}: a request finished inside the measured window")
     contexts = [r.num_tokens for r in engine.scheduler.running]
@@ -223,6 +260,7 @@ def profile_workload(llm: LLM, name: str, prompts, max_tokens: int, steps: int, 
         f"(under the profiler {wall_profiled * 1e3:.3f} ms)",
         *busy_lines(wall_us, busy, is_cuda, "decode step"),
         *table,
+        *host,
         "",
     ]
 
@@ -276,6 +314,9 @@ def main() -> int:
     ap.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks (rank 0's kernels profiled)"
     )
+    ap.add_argument(
+        "--host-profile", action="store_true", help="also cProfile rank 0 over the steps"
+    )
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
     args = ap.parse_args()
     is_cuda = torch.cuda.is_available()
@@ -317,10 +358,11 @@ def main() -> int:
     for workload in args.workload or ["W3", "W1"]:
         if workload == "W3":
             steps, warmup = args.w3_steps, 3
-            max_tokens = max(64, 2 + warmup + 2 * steps)
+            max_tokens = max(64, 2 + warmup + 3 * steps)
             report = profile_workload(
-                llm, "W3", prompts_of([32], vocab, 0), max_tokens, steps, warmup
-            )
+                llm, "W3", prompts_of([32], vocab, 0), max_tokens, steps, warmup,
+                args.host_profile,
+            )  # fmt: skip
         elif workload == "W1-prefill":
             report = profile_prefill(llm, workload, prompts_of([512] * 256, vocab, 0))
         else:
@@ -331,9 +373,10 @@ def main() -> int:
                 llm,
                 "W1",
                 prompts_of([512] * 256, vocab, 0),
-                prefill_steps + 1 + warmup + 2 * steps,
+                prefill_steps + 1 + warmup + 3 * steps,
                 steps,
                 warmup,
+                args.host_profile,
             )
         print("\n".join(report), flush=True)
         lines += report
