@@ -138,6 +138,10 @@ class ParallelConfig:
     is the calling process, ranks 1.. are spawned); one GPU per rank on CUDA, gloo over the
     CPU cores otherwise. 1 runs everything in this process."""
 
+    disable_custom_all_reduce: bool = False
+    """Reduce every tensor with NCCL. By default, on GPUs with peer access to each other,
+    small tensors (decode steps) are reduced by one kernel reading the peers' memory."""
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:

@@ -52,6 +52,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
     revision: str | None = None
     tokenizer_revision: str | None = None
     skip_tokenizer_init: bool = False
@@ -146,7 +147,10 @@ class EngineArgs:
             device=DeviceConfig(
                 device=device, attention_backend=backend, enforce_eager=self.enforce_eager
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                disable_custom_all_reduce=self.disable_custom_all_reduce,
+            ),
             disable_log_stats=self.disable_log_stats,
             metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
@@ -360,6 +364,7 @@ class EngineArgs:
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "enforce_eager",
+            "disable_custom_all_reduce",
             "skip_tokenizer_init",
             "disable_log_stats",
             "return_sampling_mask",

@@ -169,8 +169,9 @@ class MultiprocExecutor(Executor):
                 self._workers.append(_WorkerHandle(rank, process, parent))
             for w in self._workers:
                 w.pid = self._expect(w, STARTED)
+            custom = not config.parallel.disable_custom_all_reduce
             self._tp = self._while_watching(
-                lambda: create_tp_group(store, 0, self.world_size, device, self.timeout_s)
+                lambda: create_tp_group(store, 0, self.world_size, device, self.timeout_s, custom)
             )
             runner = ModelRunner(config, tp=self._tp, device=device)
             for w in self._workers:
@@ -449,6 +450,12 @@ class MultiprocExecutor(Executor):
         runner = getattr(self, "driver_worker", None)
         if runner is not None:
             _release(runner.model_runner)
+        peer = self._tp.peer_all_reduce if self._tp is not None else None
+        if peer is not None:
+            # The other ranks are gone: nothing may still wait for them, then unmap.
+            peer.abort_waits()
+            torch.cuda.synchronize(peer.device)
+            peer.close()
         self._tp = None
 
     @property

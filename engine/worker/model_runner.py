@@ -654,6 +654,9 @@ class ModelRunner:
                 named["mask_bits"] = result.sampling_mask_bits
         for i, t in enumerate(prompt_result):
             named[f"prompt{i}"] = t
+        peer = self.tp.peer_all_reduce if self.tp is not None else None
+        if peer is not None:
+            named["peer_errors"] = peer.errors
         copies, copied = start_copy_to_host(list(named.values()))
         return PendingOutput(
             lambda: self._unpack(reqs, dict(zip(named, copies, strict=True)), prompt_jobs),
@@ -668,6 +671,11 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """The step's output from its host copies."""
         out = ModelRunnerOutput()
+        if "peer_errors" in host and host["peer_errors"].item():
+            raise RuntimeError(
+                "a tensor-parallel all-reduce gave up waiting for a rank (dead, or stuck for "
+                "minutes); this step's results are lost"
+            )
         if prompt_jobs:
             prompt_host = [host[name] for name in host if name.startswith("prompt")]
             out.prompt_logprobs = _unpack_prompt_logprobs(prompt_jobs, prompt_host)

@@ -28,6 +28,8 @@ class TPGroup:
     device: torch.device
     process_group: Any = None
     """The c10d backend object (`ProcessGroupGloo` / `ProcessGroupNCCL`)."""
+    peer_all_reduce: Any = None
+    """`PeerAllReduce` for small tensors on GPUs with peer access (None: NCCL only)."""
 
     @property
     def backend(self) -> str:
@@ -35,6 +37,9 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
+        peer = self.peer_all_reduce
+        if peer is not None and peer.fits(x):
+            return peer(x)
         dist.all_reduce(x, group=self.process_group)
         return x
 
@@ -56,6 +61,8 @@ class TPGroup:
     def abort(self) -> None:
         """Best effort: make collectives blocked on a dead peer return with an error (NCCL
         only; gloo notices closed connections by itself)."""
+        if self.peer_all_reduce is not None:
+            self.peer_all_reduce.abort_waits()
         abort = getattr(self.process_group, "abort", None) or getattr(
             self.process_group, "_abort", None
         )
@@ -86,9 +93,18 @@ def connect_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore
 
 
 def create_tp_group(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    custom_all_reduce: bool = True,
 ) -> TPGroup:
-    """Join the group (blocks until every rank has joined, or `timeout_s`)."""
+    """Join the group (blocks until every rank has joined, or `timeout_s`).
+
+    With `custom_all_reduce` on CUDA devices that all have peer access to each other, the
+    group also sets up the peer-memory all-reduce (every rank decides the same way: the
+    check covers every pair of devices)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
@@ -96,4 +112,10 @@ def create_tp_group(
         pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
     else:
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return TPGroup(rank, world_size, device, pg)
+    group = TPGroup(rank, world_size, device, pg)
+    if device.type == "cuda" and world_size > 1 and custom_all_reduce:
+        from .peer_all_reduce import MAX_BYTES, PeerAllReduce, peer_access_everywhere
+
+        if peer_access_everywhere(world_size):
+            group.peer_all_reduce = PeerAllReduce(store, rank, world_size, device, MAX_BYTES)
+    return group

@@ -106,7 +106,14 @@ def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
         elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         store = connect_store(args.store_port, args.world_size, args.timeout_s)
-        tp = create_tp_group(store, args.rank, args.world_size, device, args.timeout_s)
+        tp = create_tp_group(
+            store,
+            args.rank,
+            args.world_size,
+            device,
+            args.timeout_s,
+            not args.config.parallel.disable_custom_all_reduce,
+        )
         runner = ModelRunner(args.config, tp=tp, device=device)
         worker = Worker(runner, args.rank, args.world_size)
         conn.send((READY, None))

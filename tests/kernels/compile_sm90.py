@@ -112,6 +112,7 @@ def record_all_launches() -> list[_Launch]:
     """Run each launcher over the configurations the engine uses, recording the launches."""
     from batchlm.kernels import (
         activation,
+        all_reduce,
         decode_attention,
         prefill_attention,
         rms_norm,
@@ -161,6 +162,15 @@ def record_all_launches() -> list[_Launch]:
     launches += got
     with recording(activation, "_silu_and_mul_kernel") as got:
         activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=f16))
+    launches += got
+    with recording(all_reduce, "_one_shot_all_reduce_kernel") as got:
+        i32 = torch.int32
+        for dtype in (bf16, f32):
+            all_reduce.one_shot_all_reduce(
+                torch.zeros(4096, dtype=dtype), 1, torch.zeros(2, dtype=torch.long),
+                torch.zeros(2, dtype=torch.long), torch.zeros(all_reduce.GRID, dtype=i32),
+                torch.zeros(1, dtype=i32), torch.zeros(1, dtype=i32), 65536,
+            )  # fmt: skip
     launches += got
     return launches
 

@@ -27,5 +27,6 @@ def test_kernels_compile_for_sm90():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = result.stdout.splitlines()
-    for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill", "_rotary"):
+    for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill", "_rotary",
+                   "_one_shot_all_reduce"):  # fmt: skip
         assert any(line.startswith(kernel) for line in compiled), kernel

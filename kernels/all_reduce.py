@@ -1,0 +1,161 @@
+"""One-shot all-reduce over peer memory, for the small tensors of tensor-parallel decode.
+
+NCCL's ring all-reduce costs several microseconds even for one 8 KiB row; a decode step at
+batch 1 runs 65 of them. Here every rank's GPU can address every other rank's buffers (CUDA
+IPC over NVLink), so one kernel does the whole exchange:
+
+1. each program copies its chunk of `x` into this rank's data buffer;
+2. it raises its flag in every peer's flag array (a release store at system scope) and waits
+   for every peer's flag in its own (acquire loads), so all ranks' chunks are in place;
+3. it sums the chunk over the ranks, in rank order and in float32, and writes it into `x`.
+
+Every rank adds the same values in the same order, so all ranks hold bit-identical sums
+(the ranks' hidden states must never drift apart).
+
+Flags carry a per-program call count (`epochs`, kept on the device, so a CUDA graph replays
+correctly), and data alternates between two halves of the buffer by its parity: a rank
+may write a half again two calls later, when every peer has entered the call in between and
+so has finished reading it (kernels on one stream run one after another). The grid is the
+same for every call, so every program's count advances with every call.
+
+A peer that never arrives (a dead rank) must not hang the device: a waiting program gives
+up when the host raises the abort flag (page-locked host memory, polled every
+`ABORT_POLL_SPINS` polls of the peer's flag) or after `max_spins` polls; either way it
+counts the failure in `errors`, for the host to report, and returns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import FLOAT_DTYPES, check_same_device, check_tensor
+
+__all__ = ["GRID", "one_shot_all_reduce", "all_reduce_ref"]
+
+GRID = 16
+"""Programs per call: each owns one chunk of the tensor and one flag per rank."""
+BLOCK = 1024
+"""Elements one program moves per loop iteration."""
+MAX_SPINS = 1 << 30
+"""Polls of a peer's flag before a program gives up unasked (minutes, not a hang)."""
+ABORT_POLL_SPINS = 1024
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(
+    x_ptr,  # [n], this rank's part; the sum on return
+    data_addrs_ptr,  # int64 [WORLD]: each rank's data buffer, 2 halves of `half` elements
+    flag_addrs_ptr,  # int64 [WORLD]: each rank's int32 flags, [GRID, WORLD]
+    epochs_ptr,  # int32 [GRID]: calls made so far, per program
+    errors_ptr,  # int32 [1]: programs that gave up waiting
+    abort_addr,  # int64: address of the int32 abort flag (host memory the device can read)
+    n,
+    chunk,  # elements per program, a multiple of BLOCK
+    half,  # elements in one half of a data buffer
+    max_spins,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ABORT_POLL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    epoch = tl.load(epochs_ptr + pid) + 1
+    base = (epoch % 2).to(tl.int64) * half
+    lo = pid.to(tl.int64) * chunk
+    mine = tl.load(data_addrs_ptr + RANK).to(tl.pointer_type(dtype))
+    for i in range(0, chunk, BLOCK):
+        offs = lo + i + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(mine + base + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # the whole chunk is written before the flag says so
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_flags = tl.load(flag_addrs_ptr + r).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_flags + pid * WORLD + RANK, epoch, sem="release", scope="sys")
+    my_flags = tl.load(flag_addrs_ptr + RANK).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            flag = my_flags + pid * WORLD + r
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            spins = 0
+            stop = 0
+            while (seen < epoch) & (stop == 0):
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                spins += 1
+                if spins % ABORT_POLL == 0:
+                    aborted = tl.load(abort_addr.to(tl.pointer_type(tl.int32)), volatile=True)
+                    stop = ((aborted != 0) | (spins >= max_spins)).to(tl.int32)
+            if seen < epoch:
+                tl.atomic_add(errors_ptr, 1)
+    tl.debug_barrier()  # every thread reads the peers' chunks after the flags were seen
+    for i in range(0, chunk, BLOCK):
+        offs = lo + i + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            src = tl.load(data_addrs_ptr + r).to(tl.pointer_type(dtype))
+            acc += tl.load(src + base + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        tl.store(x_ptr + offs, acc.to(dtype), mask=mask)
+    tl.store(epochs_ptr + pid, epoch)
+
+
+def one_shot_all_reduce(
+    x: torch.Tensor,
+    rank: int,
+    data_addrs: torch.Tensor,
+    flag_addrs: torch.Tensor,
+    epochs: torch.Tensor,
+    errors: torch.Tensor,
+    abort: torch.Tensor,
+    half: int,
+    max_spins: int = MAX_SPINS,
+) -> torch.Tensor:
+    """Sum `x` over the ranks in place (every rank calls this with its own part); returns x.
+
+    Args:
+        x: Contiguous, at most `half` elements.
+        rank: This rank.
+        data_addrs: int64 `[world]`, the address of each rank's data buffer as mapped in
+            this process (2 * `half` elements of `x.dtype` each).
+        flag_addrs: int64 `[world]`, each rank's int32 flags (`GRID * world`, zeroed once).
+        epochs: int32 `[GRID]`, this rank's call counts (zeroed once; advanced here).
+        errors: int32 `[1]`, incremented by each program that gave up on a peer.
+        abort: int32 `[1]` that the device can read while the kernel runs (page-locked
+            host memory on CUDA); nonzero makes waiting programs give up.
+        half: Elements in one half of a data buffer.
+        max_spins: Polls of a peer's flag before giving up.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=False)
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    world = data_addrs.numel()
+    if x.numel() > half:
+        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {half}")
+    if not 0 <= rank < world or flag_addrs.numel() != world:
+        raise ValueError(f"rank {rank} of {world} ranks, {flag_addrs.numel()} flag arrays")
+    check_tensor("epochs", epochs, ndim=1, dtypes=(torch.int32,), shape={0: GRID})
+    check_tensor("abort", abort, ndim=1, dtypes=(torch.int32,), shape={0: 1})
+    if x.is_cuda and not abort.is_pinned():
+        raise ValueError("abort must be in page-locked host memory (tensor.pin_memory())")
+    check_same_device(
+        _one_shot_all_reduce_kernel,
+        x=x, data_addrs=data_addrs, flag_addrs=flag_addrs, epochs=epochs, errors=errors,
+    )  # fmt: skip
+    n = x.numel()
+    chunk = max(BLOCK, triton.cdiv(triton.cdiv(n, GRID), BLOCK) * BLOCK)
+    _one_shot_all_reduce_kernel[(GRID,)](
+        x, data_addrs, flag_addrs, epochs, errors, abort.data_ptr(), n, chunk, half,
+        max_spins, RANK=rank, WORLD=world, BLOCK=BLOCK, ABORT_POLL=ABORT_POLL_SPINS,
+    )  # fmt: skip
+    return x
+
+
+def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum every rank gets: float32 in rank order, rounded once."""
+    acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for p in parts:
+        acc += p.float()
+    return acc.to(parts[0].dtype)
