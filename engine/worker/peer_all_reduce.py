@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import pickle
 from typing import Any
 
 import torch
@@ -101,14 +100,13 @@ class PeerAllReduce:
             handle = _IpcHandle()
             _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), self._own), "cuIpcGetMemHandle")
             key = "batchlm/peer_all_reduce/{}"
-            store.set(key.format(rank), pickle.dumps(bytes(handle.reserved)))
+            store.set(key.format(rank), bytes(handle))  # all 64 bytes (`.reserved` stops at a NUL)
             bases = []
             for r in range(world_size):
                 if r == rank:
                     bases.append(self._own)
                     continue
-                peer = _IpcHandle()
-                peer.reserved = pickle.loads(store.get(key.format(r)))
+                peer = _IpcHandle.from_buffer_copy(store.get(key.format(r)))
                 mapped = ctypes.c_uint64()
                 _check(
                     lib.cuIpcOpenMemHandle_v2(
