@@ -7,7 +7,8 @@ IPC over NVLink), so one kernel does the whole exchange:
 1. each program copies its chunk of `x` into this rank's data buffer;
 2. it raises its flag in every peer's flag array (a release store at system scope) and waits
    for every peer's flag in its own (acquire loads), so all ranks' chunks are in place;
-3. it sums the chunk over the ranks, in rank order and in float32, and writes it into `x`.
+3. it sums the chunk over the ranks, in rank order and in float32 (int64 for integer
+   tensors), and writes it into `x`.
 
 Every rank adds the same values in the same order, so all ranks hold bit-identical sums
 (the ranks' hidden states must never drift apart).
@@ -34,6 +35,7 @@ from .launch import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["GRID", "one_shot_all_reduce", "all_reduce_ref"]
 
+DTYPES = (*FLOAT_DTYPES, torch.int32, torch.int64)
 GRID = 16
 """Programs per call: each owns one chunk of the tensor and one flag per rank."""
 BLOCK = 1024
@@ -59,6 +61,7 @@ def _one_shot_all_reduce_kernel(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     ABORT_POLL: tl.constexpr,
+    ACC: tl.constexpr,  # float32, or int64 for integer tensors
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -94,10 +97,10 @@ def _one_shot_all_reduce_kernel(
     for i in range(0, chunk, BLOCK):
         offs = lo + i + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK], dtype=ACC)
         for r in tl.static_range(WORLD):
             src = tl.load(data_addrs_ptr + r).to(tl.pointer_type(dtype))
-            acc += tl.load(src + base + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            acc += tl.load(src + base + offs, mask=mask, other=0, volatile=True).to(ACC)
         tl.store(x_ptr + offs, acc.to(dtype), mask=mask)
     tl.store(epochs_ptr + pid, epoch)
 
@@ -128,7 +131,7 @@ def one_shot_all_reduce(
         half: Elements in one half of a data buffer.
         max_spins: Polls of a peer's flag before giving up.
     """
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=False)
+    check_tensor("x", x, dtypes=DTYPES, last_dim_contiguous=False)
     if not x.is_contiguous():
         raise ValueError(f"x must be contiguous, got strides {x.stride()}")
     world = data_addrs.numel()
@@ -149,13 +152,15 @@ def one_shot_all_reduce(
     _one_shot_all_reduce_kernel[(GRID,)](
         x, data_addrs, flag_addrs, epochs, errors, abort.data_ptr(), n, chunk, half,
         max_spins, RANK=rank, WORLD=world, BLOCK=BLOCK, ABORT_POLL=ABORT_POLL_SPINS,
+        ACC=tl.float32 if x.is_floating_point() else tl.int64,
     )  # fmt: skip
     return x
 
 
 def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The sum every rank gets: float32 in rank order, rounded once."""
-    acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    """The sum every rank gets: float32 (int64) in rank order, rounded once."""
+    acc_dtype = torch.float32 if parts[0].is_floating_point() else torch.int64
+    acc = torch.zeros(parts[0].shape, dtype=acc_dtype, device=parts[0].device)
     for p in parts:
-        acc += p.float()
+        acc += p.to(acc_dtype)
     return acc.to(parts[0].dtype)

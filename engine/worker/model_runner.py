@@ -138,6 +138,10 @@ class ModelRunner:
         self.config = config
         self.device = device or config.device.device
         self.tp = tp
+        self._allocated_by_others = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        )
+        """Bytes this process held on the device before this engine (other engines)."""
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend)
@@ -227,9 +231,13 @@ class ModelRunner:
         )
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        # This engine's own peak: the allocator's counters also hold other engines of this
+        # process, which count as used by others (like other processes' memory).
+        others_here = min(self._allocated_by_others, weights)
+        peak = torch.cuda.max_memory_allocated(self.device) - others_here
+        weights -= others_here
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device) + others_here
         budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
         graph_reserve = self._cuda_graph_reserve(peak - weights, num_tokens)
         # Each layer's cache is one allocation: memory the caching allocator keeps in

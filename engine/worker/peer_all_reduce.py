@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from batchlm.kernels.all_reduce import DTYPES, GRID, one_shot_all_reduce
+
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 512 * 1024
@@ -80,8 +82,6 @@ class PeerAllReduce:
     def __init__(
         self, store: Any, rank: int, world_size: int, device: torch.device, max_bytes: int
     ) -> None:
-        from batchlm.kernels.all_reduce import GRID
-
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_bytes = max_bytes
         lib = _driver()
@@ -133,15 +133,13 @@ class PeerAllReduce:
         """Whether `x` is reduced here (else by NCCL)."""
         return (
             x.device == self.device
-            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and x.dtype in DTYPES
             and x.numel() * x.element_size() <= self.max_bytes
             and x.is_contiguous()
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
-        from batchlm.kernels.all_reduce import one_shot_all_reduce
-
         return one_shot_all_reduce(
             x,
             self.rank,

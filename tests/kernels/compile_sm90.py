@@ -165,7 +165,7 @@ def record_all_launches() -> list[_Launch]:
     launches += got
     with recording(all_reduce, "_one_shot_all_reduce_kernel") as got:
         i32 = torch.int32
-        for dtype in (bf16, f32):
+        for dtype in (bf16, f32, torch.long):
             all_reduce.one_shot_all_reduce(
                 torch.zeros(4096, dtype=dtype), 1, torch.zeros(2, dtype=torch.long),
                 torch.zeros(2, dtype=torch.long), torch.zeros(all_reduce.GRID, dtype=i32),

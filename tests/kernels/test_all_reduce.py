@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU protocol test; on GPUs the T
 
 HALF = 8192  # elements of the widest dtype one half of a data buffer holds
 CALLS = [(4096, torch.float16), (3000, torch.float32), (8192, torch.float16), (1, torch.float32),
-         (2500, torch.float16)]  # fmt: skip
+         (2500, torch.float16), (7, torch.int64)]  # fmt: skip
 
 
 class Ranks:
@@ -38,7 +38,12 @@ class Ranks:
 
 def inputs(rank: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(n, generator=gen).to(dtype) * 4 for n, dtype in CALLS]
+    return [
+        torch.randint(-(2**40), 2**40, (n,), generator=gen)  # sampled ids, broadcast as sums
+        if dtype == torch.int64
+        else torch.randn(n, generator=gen).to(dtype) * 4
+        for n, dtype in CALLS
+    ]
 
 
 def run_rank(rank: int, ranks: Ranks) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
