@@ -4,19 +4,21 @@ NCCL's ring all-reduce costs several microseconds even for one 8 KiB row; a deco
 batch 1 runs 65 of them. Here every rank's GPU can address every other rank's buffers (CUDA
 IPC over NVLink), so one kernel does the whole exchange:
 
-1. each program copies its chunk of `x` into this rank's data buffer;
-2. it raises its flag in every peer's flag array (a release store at system scope) and waits
-   for every peer's flag in its own (acquire loads), so all ranks' chunks are in place;
-3. it sums the chunk over the ranks, in rank order and in float32 (int64 for integer
-   tensors), and writes it into `x`.
+1. each program writes its chunk of `x` into this rank's slot of every rank's data buffer
+   (stores to a peer are posted over NVLink: nothing waits for a round trip);
+2. it raises its flag in every peer's flag array (a release at system scope, after a barrier
+   of the program's threads) and waits for every peer's flag in its own (acquire), so all
+   ranks' chunks are in its own buffer;
+3. it sums the chunk over the slots, in rank order and in float32 (int64 for integer
+   tensors), reading local memory only, and writes it into `x`.
 
 Every rank adds the same values in the same order, so all ranks hold bit-identical sums
 (the ranks' hidden states must never drift apart).
 
 Flags carry a per-program call count (`epochs`, kept on the device, so a CUDA graph replays
-correctly), and data alternates between two halves of the buffer by its parity: a rank
-may write a half again two calls later, when every peer has entered the call in between and
-so has finished reading it (kernels on one stream run one after another). The grid is the
+correctly), and data alternates between two halves of each buffer by its parity: a rank
+writes a peer's half again two calls later, when that peer has entered the call in between
+and so has finished reading it (kernels on one stream run one after another). The grid is the
 same for every call, so every program's count advances with every call.
 
 A peer that never arrives (a dead rank) must not hang the device: a waiting program gives
@@ -48,14 +50,14 @@ ABORT_POLL_SPINS = 1024
 @triton.jit
 def _one_shot_all_reduce_kernel(
     x_ptr,  # [n], this rank's part; the sum on return
-    data_addrs_ptr,  # int64 [WORLD]: each rank's data buffer, 2 halves of `half` elements
+    data_addrs_ptr,  # int64 [WORLD]: each rank's data buffer, [2, WORLD, slot] elements
     flag_addrs_ptr,  # int64 [WORLD]: each rank's int32 flags, [GRID, WORLD]
     epochs_ptr,  # int32 [GRID]: calls made so far, per program
     errors_ptr,  # int32 [1]: programs that gave up waiting
     abort_addr,  # int64: address of the int32 abort flag (host memory the device can read)
     n,
     chunk,  # elements per program, a multiple of BLOCK
-    half,  # elements in one half of a data buffer
+    slot,  # elements of one rank's part in a data buffer
     max_spins,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
@@ -66,13 +68,16 @@ def _one_shot_all_reduce_kernel(
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     epoch = tl.load(epochs_ptr + pid) + 1
-    base = (epoch % 2).to(tl.int64) * half
+    base = (epoch % 2).to(tl.int64) * WORLD * slot
     lo = pid.to(tl.int64) * chunk
     mine = tl.load(data_addrs_ptr + RANK).to(tl.pointer_type(dtype))
     for i in range(0, chunk, BLOCK):
         offs = lo + i + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(mine + base + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        part = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            dst = tl.load(data_addrs_ptr + r).to(tl.pointer_type(dtype))
+            tl.store(dst + base + RANK * slot + offs, part, mask=mask)
     tl.debug_barrier()  # the whole chunk is written before the flag says so
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -99,8 +104,8 @@ def _one_shot_all_reduce_kernel(
         mask = offs < n
         acc = tl.zeros([BLOCK], dtype=ACC)
         for r in tl.static_range(WORLD):
-            src = tl.load(data_addrs_ptr + r).to(tl.pointer_type(dtype))
-            acc += tl.load(src + base + offs, mask=mask, other=0, volatile=True).to(ACC)
+            got = tl.load(mine + base + r * slot + offs, mask=mask, other=0, volatile=True)
+            acc += got.to(ACC)
         tl.store(x_ptr + offs, acc.to(dtype), mask=mask)
     tl.store(epochs_ptr + pid, epoch)
 
@@ -113,30 +118,30 @@ def one_shot_all_reduce(
     epochs: torch.Tensor,
     errors: torch.Tensor,
     abort: torch.Tensor,
-    half: int,
+    slot: int,
     max_spins: int = MAX_SPINS,
 ) -> torch.Tensor:
     """Sum `x` over the ranks in place (every rank calls this with its own part); returns x.
 
     Args:
-        x: Contiguous, at most `half` elements.
+        x: Contiguous, at most `slot` elements.
         rank: This rank.
         data_addrs: int64 `[world]`, the address of each rank's data buffer as mapped in
-            this process (2 * `half` elements of `x.dtype` each).
+            this process (`[2, world, slot]` elements of `x.dtype` each).
         flag_addrs: int64 `[world]`, each rank's int32 flags (`GRID * world`, zeroed once).
         epochs: int32 `[GRID]`, this rank's call counts (zeroed once; advanced here).
         errors: int32 `[1]`, incremented by each program that gave up on a peer.
         abort: int32 `[1]` that the device can read while the kernel runs (page-locked
             host memory on CUDA); nonzero makes waiting programs give up.
-        half: Elements in one half of a data buffer.
+        slot: Elements of one rank's part in a data buffer.
         max_spins: Polls of a peer's flag before giving up.
     """
     check_tensor("x", x, dtypes=DTYPES, last_dim_contiguous=False)
     if not x.is_contiguous():
         raise ValueError(f"x must be contiguous, got strides {x.stride()}")
     world = data_addrs.numel()
-    if x.numel() > half:
-        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {half}")
+    if x.numel() > slot:
+        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {slot}")
     if not 0 <= rank < world or flag_addrs.numel() != world:
         raise ValueError(f"rank {rank} of {world} ranks, {flag_addrs.numel()} flag arrays")
     check_tensor("epochs", epochs, ndim=1, dtypes=(torch.int32,), shape={0: GRID})
@@ -150,7 +155,7 @@ def one_shot_all_reduce(
     n = x.numel()
     chunk = max(BLOCK, triton.cdiv(triton.cdiv(n, GRID), BLOCK) * BLOCK)
     _one_shot_all_reduce_kernel[(GRID,)](
-        x, data_addrs, flag_addrs, epochs, errors, abort.data_ptr(), n, chunk, half,
+        x, data_addrs, flag_addrs, epochs, errors, abort.data_ptr(), n, chunk, slot,
         max_spins, RANK=rank, WORLD=world, BLOCK=BLOCK, ABORT_POLL=ABORT_POLL_SPINS,
         ACC=tl.float32 if x.is_floating_point() else tl.int64,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """All-reduce through peer GPU memory for small tensors (see `kernels/all_reduce.py`).
 
-Each rank allocates one device buffer (two halves of data, then its flags) with the CUDA
+Each rank allocates one device buffer (two halves of data, one slot per rank in each, then
+its flags) with the CUDA
 driver, exports it as a CUDA IPC handle through the group's store, and maps every peer's
 buffer into its own address space. The kernel then reads the peers' data over NVLink
 directly: one launch per all-reduce instead of NCCL's ring protocol, and it can be
@@ -85,7 +86,7 @@ class PeerAllReduce:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_bytes = max_bytes
         lib = _driver()
-        data_bytes = 2 * max_bytes
+        data_bytes = 2 * world_size * max_bytes  # [parity, rank, max_bytes]
         flag_bytes = GRID * world_size * 4
         # Make the device's primary context current in this thread (the driver calls use it).
         torch.cuda.set_device(device)

@@ -14,7 +14,7 @@ from .helpers import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU protocol test; on GPUs the TP tests run it")
 
-HALF = 8192  # elements of the widest dtype one half of a data buffer holds
+SLOT = 8192  # elements of the widest dtype in one rank's slot of a data buffer
 CALLS = [(4096, torch.float16), (3000, torch.float32), (8192, torch.float16), (1, torch.float32),
          (2500, torch.float16), (7, torch.int64)]  # fmt: skip
 
@@ -23,7 +23,7 @@ class Ranks:
     """Both ranks' shared buffers, and one rank's own state."""
 
     def __init__(self) -> None:
-        self.data = [torch.zeros(2 * HALF * 4, dtype=torch.uint8).share_memory_() for _ in "ab"]
+        self.data = [torch.zeros(2 * 2 * SLOT * 4, dtype=torch.uint8).share_memory_() for _ in "ab"]
         self.flags = [torch.zeros(GRID * 2, dtype=torch.int32).share_memory_() for _ in "ab"]
 
     def state(self):
@@ -50,9 +50,9 @@ def run_rank(rank: int, ranks: Ranks) -> tuple[list[torch.Tensor], torch.Tensor,
     data_addrs, flag_addrs, epochs, errors, abort = ranks.state()
     outs = []
     for x in inputs(rank):
-        half = HALF * 4 // x.element_size()
+        slot = SLOT * 4 // x.element_size()
         outs.append(
-            one_shot_all_reduce(x, rank, data_addrs, flag_addrs, epochs, errors, abort, half)
+            one_shot_all_reduce(x, rank, data_addrs, flag_addrs, epochs, errors, abort, slot)
         )
     return outs, epochs, errors
 
@@ -91,7 +91,7 @@ def test_a_peer_that_never_comes_is_given_up_on(how):
     if how == "abort":
         abort.fill_(1)
     x = torch.ones(64)
-    one_shot_all_reduce(x, 0, data_addrs, flag_addrs, epochs, errors, abort, HALF, max_spins=1024)
+    one_shot_all_reduce(x, 0, data_addrs, flag_addrs, epochs, errors, abort, SLOT, max_spins=1024)
     assert errors.item() == GRID  # every program waited for the one peer, and gave up
     assert epochs.tolist() == [1] * GRID
 
@@ -101,12 +101,12 @@ def test_launcher_names_bad_arguments():
     data_addrs, flag_addrs, epochs, errors, abort = ranks.state()
     with pytest.raises(ValueError, match="contiguous"):
         one_shot_all_reduce(torch.ones(8, 4).t(), 0, data_addrs, flag_addrs, epochs, errors,
-                            abort, HALF)  # fmt: skip
+                            abort, SLOT)  # fmt: skip
     with pytest.raises(ValueError, match="peer buffers hold"):
-        one_shot_all_reduce(torch.ones(HALF + 1), 0, data_addrs, flag_addrs, epochs, errors,
-                            abort, HALF)  # fmt: skip
+        one_shot_all_reduce(torch.ones(SLOT + 1), 0, data_addrs, flag_addrs, epochs, errors,
+                            abort, SLOT)  # fmt: skip
     with pytest.raises(ValueError, match="rank 2 of 2"):
-        one_shot_all_reduce(torch.ones(8), 2, data_addrs, flag_addrs, epochs, errors, abort, HALF)
+        one_shot_all_reduce(torch.ones(8), 2, data_addrs, flag_addrs, epochs, errors, abort, SLOT)
     with pytest.raises(ValueError, match="epochs"):
         one_shot_all_reduce(torch.ones(8), 0, data_addrs, flag_addrs, epochs[:3], errors, abort,
-                            HALF)  # fmt: skip
+                            SLOT)  # fmt: skip
