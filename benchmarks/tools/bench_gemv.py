@@ -1,5 +1,6 @@
 """One-row linear layers (a decode step at batch 1): `kernels/gemv.py` against `F.linear`
-(cuBLAS) on the Llama-3.1-8B shapes of W3, bf16, over a sweep of launch configurations.
+(cuBLAS) on the Llama-3.1-8B shapes of W3, bf16, over a sweep of launch configurations;
+the `_tp2` shapes are one rank's share with tensor_parallel_size=2 (W3-tp2).
 
 Each measurement replays a CUDA graph of back-to-back calls that cycle through enough
 copies of the weight (>= 512 MiB) that none is served from L2, as in a real step where the
@@ -27,6 +28,11 @@ SHAPES = {  # name: (N, K)
     "gate_up_proj": (28672, 4096),
     "down_proj": (4096, 14336),
     "lm_head": (128256, 4096),
+    "qkv_proj_tp2": (3072, 4096),
+    "o_proj_tp2": (4096, 2048),
+    "gate_up_proj_tp2": (14336, 4096),
+    "down_proj_tp2": (4096, 7168),
+    "lm_head_tp2": (64128, 4096),
 }
 COPIES_BYTES = 512 << 20
 CALLS = 24
@@ -67,7 +73,7 @@ def main() -> int:
         return 0
     dtype = torch.bfloat16
     configs = list(
-        itertools.product([8, 16, 32], [256, 512, 1024], [4, 8], [2, 3, 4])
+        itertools.product([4, 8, 16, 32], [256, 512, 1024], [4, 8], [2, 3, 4])
     )  # block_n, block_k, num_warps, num_stages
     records = []
     gen = torch.Generator(device="cuda").manual_seed(0)
