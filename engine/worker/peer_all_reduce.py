@@ -131,16 +131,18 @@ class PeerAllReduce:
         """Read by waiting kernels: nonzero makes them give up (`abort_waits`)."""
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether `x` is reduced here (else by NCCL)."""
+        """Whether `x` is reduced here (else by NCCL). Only its device, dtype and size
+        decide, which every rank's part shares: all ranks choose alike."""
         return (
             x.device == self.device
             and x.dtype in DTYPES
             and x.numel() * x.element_size() <= self.max_bytes
-            and x.is_contiguous()
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
+        if not x.is_contiguous():
+            return x.copy_(self(x.contiguous()))
         return one_shot_all_reduce(
             x,
             self.rank,
