@@ -115,6 +115,8 @@ def test_head_counts_that_do_not_split_are_refused(smollm2_dir, tiny_model_facto
         LLM(str(tiny_model_factory("llama-tied")), tensor_parallel_size=2)
     with pytest.raises(InvalidParamError, match="tensor_parallel_size=0"):
         LLM(str(tiny_model_factory("llama")), tensor_parallel_size=0)
+    with pytest.raises(InvalidParamError, match="disable_custom_all_reduce='yes'"):
+        LLM(str(tiny_model_factory("llama")), disable_custom_all_reduce="yes")
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +210,20 @@ def test_async_scheduling_over_two_ranks_gives_the_tokens_of_one(tiny_model_fact
     assert tokens(again) == tokens(expected[:2])
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_killed_worker_raises_a_clear_error(async_scheduling, tiny_model_factory):
+# On GPUs with peer access the second case waits in the peer all-reduce kernel when the rank
+# dies (the watchdog's abort flag ends the wait); the first, with NCCL alone, in NCCL.
+@pytest.mark.parametrize(
+    ("async_scheduling", "disable_custom_all_reduce"), [(False, True), (True, False)]
+)
+def test_a_killed_worker_raises_a_clear_error(
+    async_scheduling, disable_custom_all_reduce, tiny_model_factory
+):
     llm = LLM(
         str(tiny_model_factory("llama")),
         max_model_len=128,
         tensor_parallel_size=2,
         async_scheduling=async_scheduling,
+        disable_custom_all_reduce=disable_custom_all_reduce,
     )
     (pid,) = llm.llm_engine.executor.worker_pids
     scheduler = llm.llm_engine.scheduler
