@@ -87,7 +87,8 @@ class CacheConfig:
     """Tokens per KV block; 16 balances fragmentation against block-table length."""
     gpu_memory_utilization: float = 0.9
     """On CUDA: fraction of the device memory the engine may use (weights, activations and
-    KV cache together); the KV cache gets what is left after a profiling forward."""
+    KV cache together); the KV cache gets what is left after a profiling forward, and no
+    more than the device has free (other processes and engines keep what they use)."""
     kv_cache_memory_bytes: int | None = None
     """Explicit KV cache size in bytes (overrides gpu_memory_utilization). On CPU the default
     is 2 GiB, capped to what max_num_seqs full-length sequences can use."""

@@ -231,14 +231,16 @@ class ModelRunner:
         )
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
-        # This engine's own peak: the allocator's counters also hold other engines of this
-        # process, which count as used by others (like other processes' memory).
+        # gpu_memory_utilization is this engine's share of the device (as in vLLM): its own
+        # weights, activations and KV cache. The allocator's counters also hold other
+        # engines of this process; they, like other processes, keep what they use, and the
+        # cache takes no more than the device has free.
         others_here = min(self._allocated_by_others, weights)
         peak = torch.cuda.max_memory_allocated(self.device) - others_here
         weights -= others_here
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device) + others_here
-        budget = total * self.config.cache.gpu_memory_utilization - peak - used_by_others
+        budget = total * self.config.cache.gpu_memory_utilization - peak
         graph_reserve = self._cuda_graph_reserve(peak - weights, num_tokens)
         # Each layer's cache is one allocation: memory the caching allocator keeps in
         # segments that still hold other tensors cannot take it, so the cache gets no more
@@ -246,7 +248,7 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
         device_free, _ = torch.cuda.mem_get_info(self.device)
-        budget = min(budget, device_free - total * (1 - self.config.cache.gpu_memory_utilization))
+        budget = min(budget, device_free)
         num_blocks = int((budget - graph_reserve) // self.block_bytes)
         logger.info(
             "KV cache: %d blocks (%.2f GiB); peak activations + weights %.2f GiB; "
