@@ -23,8 +23,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # On GPUs a one-rank reference engine shares device 0 with a two-rank engine: each gets a
 # share of the memory (no effect on CPU, where the KV cache has a fixed size).
 SHARE = dict(gpu_memory_utilization=0.4)
-# Logprobs of the same tokens: float32 on both sides, only the summation order differs.
-LOGPROB_ATOL = 1e-4
+# Logprobs of the same tokens: float32 on both sides, only the summation order differs. On
+# GPUs the two ranks' half-width matmuls take other cuBLAS kernels than one rank's: their
+# logprobs differed by up to 4e-3 on two H200s (with NCCL and with the peer all-reduce
+# alike, which gave identical logprobs).
+LOGPROB_ATOL = 1e-2 if torch.cuda.is_available() else 1e-4
 
 
 def tokens(outs):
