@@ -454,8 +454,12 @@ class MultiprocExecutor(Executor):
         if peer is not None:
             # The other ranks are gone: nothing may still wait for them, then unmap.
             peer.abort_waits()
-            torch.cuda.synchronize(peer.device)
-            peer.close()
+            try:
+                torch.cuda.synchronize(peer.device)
+            except RuntimeError:  # a broken device: leave the mappings to process exit
+                peer = None
+            if peer is not None:
+                peer.close()
         self._tp = None
 
     @property
