@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .launch import FLOAT_DTYPES, check_same_device, check_tensor
 
-__all__ = ["GRID", "one_shot_all_reduce", "all_reduce_ref"]
+__all__ = ["DTYPES", "GRID", "all_reduce_ref", "one_shot_all_reduce"]
 
 DTYPES = (*FLOAT_DTYPES, torch.int32, torch.int64)
 GRID = 16
@@ -98,7 +98,7 @@ def _one_shot_all_reduce_kernel(
                     stop = ((aborted != 0) | (spins >= max_spins)).to(tl.int32)
             if seen < epoch:
                 tl.atomic_add(errors_ptr, 1)
-    tl.debug_barrier()  # every thread reads the peers' chunks after the flags were seen
+    tl.debug_barrier()  # every thread reads the slots after the peers' flags were seen
     for i in range(0, chunk, BLOCK):
         offs = lo + i + tl.arange(0, BLOCK)
         mask = offs < n

@@ -108,16 +108,12 @@ def main() -> int:
     store = create_store(2, 120)  # both ranks join it as clients
     port = store.port
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, port, args.calls, args.out)) for r in (0, 1)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, args.calls, args.out)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(600)
     return max(p.exitcode or 0 for p in procs)
-
-
-def _entry(rank: int, port: int, calls: int, out: str | None) -> None:
-    rank_main(rank, port, calls, out)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,11 @@ def host_profile_lines(engine, num_steps: int) -> list[str]:
     """`num_steps` engine steps under cProfile: rank 0's functions by own time and by
     cumulative time, per step."""
     prof = cProfile.Profile()
-    synchronize()
-    start = time.perf_counter()
     prof.enable()
-    for _ in range(num_steps):
-        engine.step()
-    synchronize()
+    per_step = timed_steps(engine, num_steps)
     prof.disable()
-    wall = time.perf_counter() - start
-    lines = [f"host profile (cProfile) over {num_steps} steps: {wall / num_steps * 1e3:.3f} ms "
-             "per step with its overhead; seconds are totals over the steps"]  # fmt: skip
+    lines = [f"host profile (cProfile) over {num_steps} steps: {per_step * 1e3:.3f} ms per "
+             "step with its overhead; seconds are totals over the steps"]  # fmt: skip
     for key in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)

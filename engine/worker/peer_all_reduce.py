@@ -1,11 +1,10 @@
 """All-reduce through peer GPU memory for small tensors (see `kernels/all_reduce.py`).
 
 Each rank allocates one device buffer (two halves of data, one slot per rank in each, then
-its flags) with the CUDA
-driver, exports it as a CUDA IPC handle through the group's store, and maps every peer's
-buffer into its own address space. The kernel then reads the peers' data over NVLink
-directly: one launch per all-reduce instead of NCCL's ring protocol, and it can be
-captured in CUDA graphs like any other kernel.
+its flags) with the CUDA driver, exports it as a CUDA IPC handle through the group's store,
+and maps every peer's buffer into its own address space. The kernel then writes its part
+into every rank's buffer over NVLink directly: one launch per all-reduce instead of NCCL's
+ring protocol, and it can be captured in CUDA graphs like any other kernel.
 
 Only used where every pair of the group's GPUs has peer access; tensors larger than
 `max_bytes` go to NCCL.
@@ -15,14 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from typing import Any
 
 import torch
 
 from batchlm.kernels.all_reduce import DTYPES, GRID, one_shot_all_reduce
-
-logger = logging.getLogger(__name__)
 
 MAX_BYTES = 512 * 1024
 """Largest tensor (bytes) reduced through peer memory; larger ones go to NCCL."""
