@@ -49,6 +49,18 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def programmatic_launch() -> bool:
+    """BATCHLM_PDL: `0` (or off / false / no) launches the Triton kernels without
+    programmatic dependent launch on Hopper and newer GPUs (default on; see
+    `batchlm.kernels.pdl`)."""
+    value = os.environ.get("BATCHLM_PDL", "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"BATCHLM_PDL={value!r} must be 1 (on, the default) or 0 (off)")
+
+
 def tp_timeout_s() -> float:
     """BATCHLM_TP_TIMEOUT_S: seconds a tensor-parallel rank may take to start, to answer the
     engine's own calls, or to join a collective before it counts as failed (default 600)."""

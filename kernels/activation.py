@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .launch import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, next_power_of_2
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -25,7 +26,9 @@ def _silu_and_mul_kernel(
     stride_o,
     d,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -55,7 +58,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         out_rows = out.view(-1, d)
         block = min(_BLOCK, next_power_of_2(d))
         _silu_and_mul_kernel[(rows.shape[0], cdiv(d, block))](
-            rows, out_rows, rows.stride(0), out_rows.stride(0), d, BLOCK=block
+            rows,
+            out_rows,
+            rows.stride(0),
+            out_rows.stride(0),
+            d,
+            BLOCK=block,
+            **launch_options(_silu_and_mul_kernel, x.device),
         )
     return out
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .launch import FLOAT_DTYPES, check_same_device, check_tensor
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["DTYPES", "GRID", "all_reduce_ref", "one_shot_all_reduce"]
 
@@ -64,7 +65,9 @@ def _one_shot_all_reduce_kernel(
     BLOCK: tl.constexpr,
     ABORT_POLL: tl.constexpr,
     ACC: tl.constexpr,  # float32, or int64 for integer tensors
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     epoch = tl.load(epochs_ptr + pid) + 1
@@ -158,6 +161,7 @@ def one_shot_all_reduce(
         x, data_addrs, flag_addrs, epochs, errors, abort.data_ptr(), n, chunk, slot,
         max_spins, RANK=rank, WORLD=world, BLOCK=BLOCK, ABORT_POLL=ABORT_POLL_SPINS,
         ACC=tl.float32 if x.is_floating_point() else tl.int64,
+        **launch_options(_one_shot_all_reduce_kernel, x.device),
     )  # fmt: skip
     return x
 

@@ -38,6 +38,7 @@ from .launch import (
     num_sms,
 )
 from .paged_tile import load_paged_tile, online_softmax_tile
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
     "DecodeLaunch",
@@ -95,11 +96,13 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """IDS_PER_TILE == 0: each key looks its cache block up in the block table. Else tiles
     start on a multiple of `BLOCK_N // IDS_PER_TILE` keys (a power-of-two BLOCK_SIZE, or
     BLOCK_N when smaller), so that each tile is IDS_PER_TILE runs of keys that share one
     block: one table load per run."""
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,7 +209,9 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -466,6 +471,7 @@ def decode_attention(
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **launch_options(_decode_kernel, device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -480,6 +486,7 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
+            **launch_options(_merge_splits_kernel, device),
         )
     return out
 

@@ -27,6 +27,7 @@ from .launch import (
     check_same_device,
     check_tensor,
 )
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
@@ -55,7 +56,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
@@ -163,6 +166,7 @@ def gemv(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(_gemv_kernel, x.device),
     )
     return y[0] if squeeze else y
 

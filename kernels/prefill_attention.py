@@ -31,6 +31,7 @@ from .launch import (
     next_power_of_2,
 )
 from .paged_tile import load_paged_tile, online_softmax_tile
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 
@@ -69,7 +70,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -228,6 +231,7 @@ def prefill_attention(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=32 if wide else 64,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
+        **launch_options(_prefill_kernel, query.device),
     )
     return out
 

@@ -31,6 +31,7 @@ from .launch import (
     is_interpreted,
     next_power_of_2,
 )
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["Fp8PerTokenOutput", "quantize_fp8_per_token", "quantize_fp8_per_token_ref"]
 
@@ -101,7 +102,9 @@ def _quantize_fp8_per_token_kernel(
     FP8_MAX: tl.constexpr,
     INV_FP8_MAX: tl.constexpr,
     SOFTWARE_FP8_CAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
@@ -196,6 +199,7 @@ def quantize_fp8_per_token(
             INV_FP8_MAX=1.0 / FP8_MAX,
             SOFTWARE_FP8_CAST=is_interpreted(_quantize_fp8_per_token_kernel),
             num_warps=min(max(block_m * block_k // 512, 1), 16),
+            **launch_options(_quantize_fp8_per_token_kernel, x.device),
         )
     return Fp8PerTokenOutput(out, scale_out)
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .launch import FLOAT_DTYPES, check_same_device, check_tensor, next_power_of_2
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
     "RMSNormOutput",
@@ -46,7 +47,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -115,6 +118,7 @@ def _launch(
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             num_warps=min(max(block // 256, 1), 16),
+            **launch_options(_rms_norm_kernel, x.device),
         )
     return out if residual_out is None else RMSNormOutput(out, residual_out)
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
+from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["RotaryOutput", "rotary_embedding", "rotary_embedding_ref"]
 
@@ -76,7 +77,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_HALF)[None, :]
@@ -170,6 +173,7 @@ def rotary_embedding(
         BLOCK_H=next_power_of_2(num_heads),
         BLOCK_KV_H=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+        **launch_options(_rotary_kernel, query.device),
     )
     return RotaryOutput(query_out, key_out)
 

@@ -29,6 +29,7 @@ from .launch import (
     is_interpreted,
     next_power_of_2,
 )
+from .pdl import launch_options, wait_for_previous_kernel
 from .quant_fp8 import _e4m3fn_bits
 
 __all__ = ["to_cache_dtype", "write_kv_cache", "write_kv_cache_ref"]
@@ -58,7 +59,9 @@ def _write_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
     SOFTWARE_FP8_CAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -162,6 +165,7 @@ def write_kv_cache(
         BLOCK_D=next_power_of_2(head_dim),
         IS_FP8=key_cache.dtype == FP8_KV_DTYPE,
         SOFTWARE_FP8_CAST=is_interpreted(_write_kv_cache_kernel),
+        **launch_options(_write_kv_cache_kernel, key.device),
     )
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .. import envs
 from ..attention.backend import AttentionMetadata, get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
@@ -142,6 +143,10 @@ class ModelRunner:
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         """Bytes this process held on the device before this engine (other engines)."""
+        if self.device.type == "cuda":
+            from batchlm.kernels import pdl
+
+            pdl.set_enabled(envs.programmatic_launch())
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend)

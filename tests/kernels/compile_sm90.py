@@ -27,6 +27,7 @@ _POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 
 
@@ -75,7 +76,9 @@ def compile_launch(launch: _Launch) -> Any:
     from triton.compiler import ASTSource
 
     fn = launch.kernel
-    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    options = {
+        k: launch.kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in launch.kwargs
+    }
     values = dict(zip(fn.arg_names, launch.args, strict=False))
     values.update({k: v for k, v in launch.kwargs.items() if k not in options})
     signature, constexprs = {}, {}
@@ -114,7 +117,9 @@ def record_all_launches() -> list[_Launch]:
         activation,
         all_reduce,
         decode_attention,
+        gemv,
         prefill_attention,
+        quant_fp8,
         rms_norm,
         rotary,
         write_kv_cache,
@@ -163,6 +168,13 @@ def record_all_launches() -> list[_Launch]:
     with recording(activation, "_silu_and_mul_kernel") as got:
         activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=f16))
     launches += got
+    with recording(gemv, "_gemv_kernel") as got:
+        for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 900)]:
+            gemv.gemv(torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
+    launches += got
+    with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
+        quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
+    launches += got
     with recording(all_reduce, "_one_shot_all_reduce_kernel") as got:
         i32 = torch.int32
         for dtype in (bf16, f32, torch.long):
@@ -179,16 +191,27 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("run without TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
         return 2
-    for launch in record_all_launches():
-        name = launch.kernel.__name__
-        constexprs = {k: v for k, v in launch.kwargs.items() if k.isupper()}
-        compiled = compile_launch(launch)
-        shared = compiled.metadata.shared
-        print(f"{name} {constexprs}: {shared} bytes shared", flush=True)
-        if shared > SM90_MAX_SHARED_BYTES:
-            print(f"{name} needs {shared} bytes of shared memory", file=sys.stderr)
-            return 1
+    for recorded in record_all_launches():
+        # As recorded (CPU tensors: no programmatic launch), then as on an sm_90 device.
+        pdl = _Launch(recorded.kernel, recorded.args, {**recorded.kwargs, **_PDL_ON})
+        for launch in (recorded, pdl):
+            name = launch.kernel.__name__
+            constexprs = {k: v for k, v in launch.kwargs.items() if k.isupper()}
+            compiled = compile_launch(launch)
+            shared = compiled.metadata.shared
+            print(f"{name} {constexprs}: {shared} bytes shared", flush=True)
+            if shared > SM90_MAX_SHARED_BYTES:
+                print(f"{name} needs {shared} bytes of shared memory", file=sys.stderr)
+                return 1
+            waits = compiled.asm["ptx"].count("griddepcontrol.wait")
+            if bool(waits) != launch.kwargs["PDL"]:
+                print(f"{name} {constexprs}: {waits} griddepcontrol.wait", file=sys.stderr)
+                return 1
     return 0
+
+
+# The launch options `kernels.pdl.launch_options` gives on an sm_90 device.
+_PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
 if __name__ == "__main__":

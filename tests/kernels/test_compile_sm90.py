@@ -28,5 +28,9 @@ def test_kernels_compile_for_sm90():
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = result.stdout.splitlines()
     for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill", "_rotary",
-                   "_one_shot_all_reduce"):  # fmt: skip
-        assert any(line.startswith(kernel) for line in compiled), kernel
+                   "_one_shot_all_reduce", "_gemv", "_quantize_fp8_per_token",
+                   "_silu_and_mul", "_rms_norm"):  # fmt: skip
+        for pdl in (False, True):
+            assert any(
+                line.startswith(kernel) and f"'PDL': {pdl}" in line for line in compiled
+            ), (kernel, pdl)
