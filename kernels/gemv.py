@@ -58,29 +58,39 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The weights are no kernel's output: the first tile streams in while the previous
+    # kernel of the step still runs (under PDL), before the wait for its `x`.
+    w = _load_weight_tile(rows, offs_k, offs_n, N, K, EVEN_N, EVEN_K)
+    wait_for_previous_kernel(PDL)
+    acc = w.to(tl.float32) * _load_x_tile(x_ptr, offs_k, K, EVEN_K).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_ptr + ks)
-            if EVEN_N:
-                w = tl.load(rows + ks[None, :])
-            else:
-                w = tl.load(rows + ks[None, :], mask=(offs_n < N)[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-            w = tl.load(
-                rows + ks[None, :], mask=(offs_n < N)[:, None] & (ks < K)[None, :], other=0.0
-            )
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _load_weight_tile(rows, ks, offs_n, N, K, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _load_weight_tile(rows, ks, offs_n, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """`[BLOCK_N, BLOCK_K]` weights at columns `ks` (0 past N or K)."""
+    if EVEN_K:
+        if EVEN_N:
+            return tl.load(rows + ks[None, :])
+        return tl.load(rows + ks[None, :], mask=(offs_n < N)[:, None], other=0.0)
+    return tl.load(rows + ks[None, :], mask=(offs_n < N)[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + ks)
+    return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
 
 
 class GemvLaunch(NamedTuple):

@@ -24,7 +24,9 @@ from .launch import (
     INDEX_DTYPES,
     NO_WINDOW,
     cdiv,
+    check_num_stages,
     check_paged_attention,
+    check_power_of_2,
     check_same_device,
     check_tensor,
     dot_dtype,
@@ -38,6 +40,9 @@ __all__ = ["prefill_attention", "prefill_attention_ref"]
 # Below any real scaled score, yet finite: a row with no visible key in a tile keeps
 # m = _NEG_BIG, and exp2(-inf - _NEG_BIG) = 0 instead of exp2(-inf + inf) = nan.
 _NEG_BIG = tl.constexpr(-1.0e30)
+# Default tile: (token, head) rows and keys (halved for float32 or head_dim > 128).
+_BLOCK_M = 64
+_BLOCK_N = 64
 
 
 @triton.jit(do_not_specialize=["sliding_window"])
@@ -73,7 +78,8 @@ def _prefill_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    tile = tl.program_id(0)
+    # The last tiles of a sequence see the most keys: they start first, for a shorter tail.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -146,6 +152,11 @@ def prefill_attention(
     max_query_len: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -163,6 +174,9 @@ def prefill_attention(
         max_query_len: An upper bound of the query lengths (from the host: sizes the grid).
         sliding_window: Attend only to the last `sliding_window` positions (self included).
         out: Optional `[num_tokens, num_heads, head_dim]` output buffer.
+        block_m, block_n, num_warps, num_stages: Launch overrides (None: the defaults):
+            (token, head) rows per tile (a power of two >= 16 and >= the GQA group), keys
+            per tile (a power of two >= 16), warps, pipeline stages.
 
     Returns:
         `[num_tokens, num_heads, head_dim]` in the query's dtype.
@@ -196,11 +210,21 @@ def prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     num_kv_heads = key_cache.shape[2]
-    # Rows of a tile are (token, head) pairs: at least 64, and at least one token's heads.
-    block_m = max(64, next_power_of_2(group))
+    # Rows of a tile are (token, head) pairs: at least one token's heads.
+    if block_m is None:
+        block_m = max(_BLOCK_M, next_power_of_2(group))
+    check_power_of_2("block_m", block_m, max(16, group), 512, "(token, head) rows per tile")
     tokens_per_tile = block_m // group
     # float32 or wide heads: halve the key tile to keep the pipelined tiles in shared memory.
     wide = query.dtype == torch.float32 or head_dim > 128
+    if block_n is None:
+        block_n = _BLOCK_N // 2 if wide else _BLOCK_N
+    check_power_of_2("block_n", block_n, 16, 256, "keys per tile")
+    launch = {}
+    if num_warps is not None:
+        launch["num_warps"] = check_power_of_2("num_warps", num_warps, 1, 16, "warps per tile")
+    if num_stages is not None:
+        launch["num_stages"] = check_num_stages(num_stages)
     grid = (cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query,
@@ -229,8 +253,9 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),  # tl.dot needs every dimension >= 16
         BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_N=32 if wide else 64,
+        BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
+        **launch,
         **launch_options(_prefill_kernel, query.device),
     )
     return out

@@ -31,6 +31,7 @@ def test_kernels_compile_for_sm90():
                    "_one_shot_all_reduce", "_gemv", "_quantize_fp8_per_token",
                    "_silu_and_mul", "_rms_norm"):  # fmt: skip
         for pdl in (False, True):
-            assert any(
-                line.startswith(kernel) and f"'PDL': {pdl}" in line for line in compiled
-            ), (kernel, pdl)
+            assert any(line.startswith(kernel) and f"'PDL': {pdl}" in line for line in compiled), (
+                kernel,
+                pdl,
+            )

@@ -31,7 +31,7 @@ def _random_batch(n: int, max_len: int, seed: int) -> list[tuple[int, int]]:
     return batch
 
 
-def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None):
+def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None, **launch):
     seq_lens = [s for _, s in batch]
     key_cache, value_cache, block_tables = make_paged_cache(
         seq_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device
@@ -45,7 +45,7 @@ def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     args = (query, key_cache, value_cache, block_tables, lens, qsl, scale)
-    out = prefill_attention(*args, max(q_lens), sliding_window)
+    out = prefill_attention(*args, max(q_lens), sliding_window, **launch)
     assert_close(out, prefill_attention_ref(*args, sliding_window), ATTENTION_TOLERANCE)
 
 
@@ -84,6 +84,21 @@ def test_odd_gqa_groups_and_head_dim(group, device):
     _run([(9, 12), (1, 5)], torch.float32, 80, 16, group, device)
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"block_m": 16, "block_n": 16},
+        {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2},
+        {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 4},
+    ],
+    ids=str,
+)
+def test_launch_overrides_match_reference(launch, device):
+    # More tiles per sequence than the default, and keys spread over several blocks per tile.
+    batch = [(40, 40), (9, 70), (1, 33), (65, 100)]
+    _run(batch, torch.float16, 64, 16, 4, device, 48, **launch)
+
+
 def test_launcher_rejects_bad_arguments(device):
     key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
     lens = torch.tensor([5], dtype=torch.int32, device=device)
@@ -98,3 +113,12 @@ def test_launcher_rejects_bad_arguments(device):
         prefill_attention(query, *args, qsl, 1.0, 5, sliding_window=0)
     with pytest.raises(ValueError, match="must have stride 1 in its last dimension"):
         prefill_attention(query.transpose(1, 2), *args, qsl, 1.0, 5)
+    for bad, message in [
+        ({"block_m": 48}, "block_m=48 must be a power of two in"),
+        ({"block_m": 1}, r"block_m=1 must be a power of two in \[16, 512\]"),
+        ({"block_n": 8}, "block_n=8 must be a power of two in"),
+        ({"num_warps": 3}, "num_warps=3 must be a power of two"),
+        ({"num_stages": 0}, "num_stages=0 must be an integer in"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            prefill_attention(query, *args, qsl, 1.0, 5, **bad)
