@@ -4,7 +4,10 @@ Every rope scaling the models support (linear, dynamic NTK, llama3, yarn and its
 factor) is folded into the table `RotaryEmbedding` builds, so the kernel only looks up each
 token's row and rotates: for channel pairs `(i, i + rotary_dim / 2)`,
 `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin`. Channels past `rotary_dim` pass through.
-Math is in float32 with one rounding. Pure: returns new query / key tensors.
+Math is in float32 with one rounding. `rotary_embedding` is pure: it returns new query / key
+tensors. `rotary_embedding_into_cache` is the attention layer's step in one kernel: it
+returns the rotated queries and writes the rotated keys and the values into the paged KV
+cache by slot (as `write_kv_cache` would), with no rotated key tensor in between.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import triton.language as tl
 from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = ["RotaryOutput", "rotary_embedding", "rotary_embedding_ref"]
+__all__ = [
+    "RotaryOutput",
+    "rotary_embedding",
+    "rotary_embedding_into_cache",
+    "rotary_embedding_into_cache_ref",
+    "rotary_embedding_ref",
+]
 
 
 class RotaryOutput(NamedTuple):
@@ -113,6 +122,109 @@ def _rotary_kernel(
     )
 
 
+@triton.jit
+def _copy_heads(
+    src_ptr,  # this token's [num_heads, head_dim] rows
+    dst_ptr,
+    stride_sh,
+    stride_dh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < NUM_HEADS) & (offs_d < HEAD_DIM)
+    x = tl.load(src_ptr + offs_h * stride_sh + offs_d, mask=mask)
+    tl.store(dst_ptr + offs_h * stride_dh + offs_d, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_into_cache_kernel(
+    positions_ptr,  # [num_tokens]
+    slot_mapping_ptr,  # [num_tokens]; < 0: not written
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_ptr,  # [2, max_position, head_dim] float32
+    query_out_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_oqt,
+    stride_oqh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_cs,
+    stride_cp,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cos_sin_ptr + pos * stride_cp + offs_c
+    cos = tl.load(row, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + stride_cs, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        query_ptr + token * stride_qt,
+        query_out_ptr + token * stride_oqt,
+        stride_qh,
+        stride_oqh,
+        cos,
+        sin,
+        NUM_HEADS,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+    )
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        _rotate_heads(
+            key_ptr + token * stride_kt,
+            key_cache_ptr + block * stride_kcb + offset * stride_kcs,
+            stride_kh,
+            stride_kch,
+            cos,
+            sin,
+            NUM_KV_HEADS,
+            HALF,
+            BLOCK_KV_H,
+            BLOCK_HALF,
+        )
+        _copy_heads(
+            value_ptr + token * stride_vt,
+            value_cache_ptr + block * stride_vcb + offset * stride_vcs,
+            stride_vh,
+            stride_vch,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_KV_H,
+            BLOCK_D,
+        )
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -178,6 +290,101 @@ def rotary_embedding(
     return RotaryOutput(query_out, key_out)
 
 
+def rotary_embedding_into_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate every query and key head by position; write the keys and values into the
+    cache at their slots; return the rotated queries.
+
+    Args:
+        positions: `[num_tokens]` int32 / int64 positions, each < `max_position`.
+        query: `[num_tokens, num_heads, head_dim]`.
+        key: `[num_tokens, num_kv_heads, head_dim]`, same dtype as `query`.
+        value: Same shape and dtype as `key`.
+        cos_sin: `[2, max_position, head_dim]` float32, as for `rotary_embedding` (the whole
+            head rotates; partial rotary takes `rotary_embedding` then `write_kv_cache`).
+        key_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` in the query's dtype
+            (an fp8 cache takes `write_kv_cache`).
+        value_cache: Same shape and dtype as `key_cache`.
+        slot_mapping: `[num_tokens]` int32 / int64 slots; negative entries are not written.
+
+    Returns:
+        A new contiguous `[num_tokens, num_heads, head_dim]` query tensor.
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, num_heads, head_dim = query.shape
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), shape={0: num_tokens, 2: head_dim})
+    check_tensor("value", value, ndim=3, dtypes=(query.dtype,), shape=dict(enumerate(key.shape)))
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_tokens})
+    check_tensor("cos_sin", cos_sin, ndim=3, dtypes=(torch.float32,), shape={0: 2})
+    if cos_sin.shape[2] != head_dim:
+        raise ValueError(
+            f"cos_sin rotates {cos_sin.shape[2]} channels of heads of {head_dim}; partial "
+            "rotary takes rotary_embedding, then write_kv_cache"
+        )
+    num_kv_heads = key.shape[1]
+    check_tensor(
+        "key_cache", key_cache, ndim=4, dtypes=(query.dtype,), shape={2: num_kv_heads, 3: head_dim}
+    )
+    check_tensor(
+        "value_cache", value_cache, ndim=4, dtypes=(query.dtype,),
+        shape=dict(enumerate(key_cache.shape)),
+    )  # fmt: skip
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_tokens})
+    check_same_device(
+        _rotary_into_cache_kernel,
+        positions=positions, query=query, key=key, value=value, cos_sin=cos_sin,
+        key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+    )  # fmt: skip
+    query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return query_out
+    _rotary_into_cache_kernel[(num_tokens,)](
+        positions,
+        slot_mapping,
+        query,
+        key,
+        value,
+        cos_sin,
+        query_out,
+        key_cache,
+        value_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        query_out.stride(0),
+        query_out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        cos_sin.stride(0),
+        cos_sin.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_KV_H=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
+        BLOCK_D=next_power_of_2(head_dim),
+        **launch_options(_rotary_into_cache_kernel, query.device),
+    )
+    return query_out
+
+
 def rotary_embedding_ref(
     positions: torch.Tensor,  # [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -198,3 +405,21 @@ def rotary_embedding_ref(
         return out
 
     return RotaryOutput(rotate(query), rotate(key))
+
+
+def rotary_embedding_into_cache_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_embedding_into_cache` in plain PyTorch."""
+    from .write_kv_cache import write_kv_cache_ref
+
+    rotated = rotary_embedding_ref(positions, query, key, cos_sin)
+    write_kv_cache_ref(rotated.key, value, key_cache, value_cache, slot_mapping)
+    return rotated.query

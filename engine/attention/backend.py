@@ -57,7 +57,24 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's keys / values into the cache, then attend causally over it."""
+        """Write this step's keys / values into the cache, then attend causally over it.
+        `key` and `value` are None after `rotate_into_cache` stored them."""
+
+    def rotate_into_cache(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos_sin: torch.Tensor,  # [2, max_position, rotary_dim] float32
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Rotary embedding and the cache write in one pass, where the backend has one: the
+        rotated queries, the rotated keys and the values already in the cache (`forward`
+        then takes `key=None, value=None`). None (the default) when it has not: rotate,
+        then call `forward` with the keys and values."""
+        return None
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -1,7 +1,9 @@
 """Paged attention with the Triton kernels of `batchlm.kernels` (CUDA; CPU only under
 Triton's interpreter, for tests).
 
-Per layer: the step's keys and values are written into the paged cache by slot, then a
+Per layer: the step's keys and values are written into the paged cache by slot (in the
+same kernel as the rotary embedding, for whole-head rotary and a cache in the model's
+dtype), then a
 decode-only step (one query token per sequence) runs the split-K decode kernel and every
 other step (prefills, chunked prefills, prefix-cache hits, mixed prefill + decode) runs the
 variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
@@ -16,6 +18,7 @@ import torch
 
 from batchlm.kernels.decode_attention import decode_attention
 from batchlm.kernels.prefill_attention import prefill_attention
+from batchlm.kernels.rotary import rotary_embedding_into_cache
 from batchlm.kernels.write_kv_cache import write_kv_cache
 
 from .backend import AttentionBackend, AttentionMetadata
@@ -29,6 +32,26 @@ class _TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+
+    def rotate_into_cache(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        if (
+            kv_cache is None
+            or kv_cache.dtype != query.dtype
+            or cos_sin.shape[-1] != query.shape[-1]
+        ):
+            return None  # no cache (pooling), an fp8 cache, or partial rotary
+        return rotary_embedding_into_cache(
+            positions, query, key, value, cos_sin, kv_cache[0], kv_cache[1], metadata.slot_mapping
+        )
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.backend_data = _TritonPlan(is_decode_only=metadata.max_query_len == 1)
@@ -52,7 +75,8 @@ class TritonAttentionBackend(AttentionBackend):
         if not isinstance(plan, _TritonPlan):
             raise ValueError("TritonAttentionBackend.prepare(metadata) must run before forward")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if key is not None:  # else rotate_into_cache stored them
+            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         if plan.is_decode_only:
             return decode_attention(
                 query,

@@ -95,6 +95,9 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        rotated = self.attn.rotate_into_cache(self.rotary, positions, q, k, v, kv_cache, metadata)
+        if rotated is not None:
+            return self.o_proj(self.attn(rotated, None, None, kv_cache, metadata))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 

@@ -160,10 +160,15 @@ def record_all_launches() -> list[_Launch]:
         rms_norm.fused_add_rms_norm(x, x, torch.zeros(4096, dtype=bf16), 1e-6)
         rms_norm.rms_norm(torch.zeros(3, 4, 128, dtype=f32), torch.zeros(128), 1e-6)
     launches += got
-    with recording(rotary, "_rotary_kernel") as got:
+    with recording(rotary, "_rotary_kernel", "_rotary_into_cache_kernel") as got:
         q = torch.zeros(3, 32, 128, dtype=bf16)
         cos_sin = torch.zeros(2, 64, 128)
-        rotary.rotary_embedding(torch.zeros(3, dtype=torch.long), q, q[:, :8], cos_sin)
+        positions = torch.zeros(3, dtype=torch.long)
+        rotary.rotary_embedding(positions, q, q[:, :8], cos_sin)
+        cache = torch.zeros(2, 4, 16, 8, 128, dtype=bf16)
+        rotary.rotary_embedding_into_cache(
+            positions, q, q[:, :8], q[:, 8:16], cos_sin, cache[0], cache[1], positions
+        )
     launches += got
     with recording(activation, "_silu_and_mul_kernel") as got:
         activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=f16))

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from batchlm.engine.models.layers.rotary import RopeSpec, RotaryEmbedding
-from batchlm.kernels.rotary import rotary_embedding, rotary_embedding_ref
+from batchlm.kernels.rotary import (
+    rotary_embedding,
+    rotary_embedding_into_cache,
+    rotary_embedding_into_cache_ref,
+    rotary_embedding_ref,
+)
 
 from .helpers import DTYPES, ELEMENTWISE_TOLERANCE, assert_close, gpu_only
 
@@ -98,3 +103,85 @@ def test_launcher_rejects_bad_arguments(device):
         rotary_embedding(positions[:4], q, k, cos_sin)
     with pytest.raises(ValueError, match="rotary_dim=64; it must be even and <= head_dim=32"):
         rotary_embedding(positions, q[..., :32], k[..., :32], cos_sin)
+
+
+def _into_cache_case(num_tokens, group, head_dim, dtype, block_size, device, seed=0):
+    """Inputs of `rotary_embedding_into_cache`: q / k / v as views of one qkv row, caches
+    with random content, distinct shuffled slots, a few of them negative (padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    max_position = 8192 if num_tokens > 100 else 256
+    cos_sin = _table("llama3", head_dim, max_position).to(device)
+    num_kv_heads = 2
+    width = (num_kv_heads * group + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)
+    q_size, kv_size = num_kv_heads * group * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, -1, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    num_blocks = -(-num_tokens // block_size) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = torch.randn(2, *shape, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    positions = torch.randint(0, max_position, (num_tokens,), generator=gen)
+    return positions.to(device), q, k, v, cos_sin, caches, slots.to(device)
+
+
+@pytest.mark.parametrize("num_tokens", [11, gpu_only(4096)])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_into_cache_matches_reference(num_tokens, group, head_dim, block_size, dtype, device):
+    positions, q, k, v, cos_sin, caches, slots = _into_cache_case(
+        num_tokens, group, head_dim, dtype, block_size, device
+    )
+    expected = caches.clone()
+    ref_q = rotary_embedding_into_cache_ref(
+        positions, q, k, v, cos_sin, expected[0], expected[1], slots
+    )
+    out_q = rotary_embedding_into_cache(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    assert_close(out_q, ref_q, ELEMENTWISE_TOLERANCE)
+    # Every slot: rotated keys and values where written, the old content elsewhere
+    # (negative slots write nothing).
+    assert_close(caches, expected, ELEMENTWISE_TOLERANCE)
+    written = torch.zeros(caches.shape[1] * caches.shape[2], dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    untouched = caches.flatten(1, 2)[:, ~written.to(device)]
+    assert torch.equal(untouched, expected.flatten(1, 2)[:, ~written.to(device)])
+    # The values are copied bit for bit.
+    kept = slots >= 0
+    flat = caches[1].flatten(0, 1)
+    assert torch.equal(flat[slots[kept]], v[kept])
+
+
+def test_into_cache_equals_rotary_then_write(device):
+    """The fused kernel stores what the two-kernel path stores, bit for bit."""
+    from batchlm.kernels.write_kv_cache import write_kv_cache
+
+    positions, q, k, v, cos_sin, caches, slots = _into_cache_case(
+        9, 4, 64, torch.float16, 16, device
+    )
+    two_kernels = caches.clone()
+    rotated = rotary_embedding(positions, q, k, cos_sin)
+    write_kv_cache(rotated.key, v, two_kernels[0], two_kernels[1], slots)
+    out_q = rotary_embedding_into_cache(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    assert torch.equal(out_q, rotated.query)
+    assert torch.equal(caches, two_kernels)
+
+
+def test_into_cache_rejects_bad_arguments(device):
+    positions, q, k, v, cos_sin, caches, slots = _into_cache_case(
+        5, 2, 64, torch.float32, 16, device
+    )
+    args = (caches[0], caches[1], slots)
+    with pytest.raises(ValueError, match="cos_sin rotates 32 channels of heads of 64; partial"):
+        rotary_embedding_into_cache(positions, q, k, v, cos_sin[..., :32].contiguous(), *args)
+    with pytest.raises(ValueError, match="key_cache has dtype torch.float16"):
+        rotary_embedding_into_cache(
+            positions, q, k, v, cos_sin, caches[0].half(), caches[1].half(), slots
+        )
+    with pytest.raises(ValueError, match="value has size 3 in dimension 0"):
+        rotary_embedding_into_cache(positions, q, k, v[:3], cos_sin, *args)
+    with pytest.raises(ValueError, match="slot_mapping has size 4 in dimension 0"):
+        rotary_embedding_into_cache(positions, q, k, v, cos_sin, caches[0], caches[1], slots[:4])

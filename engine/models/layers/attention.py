@@ -45,7 +45,24 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """Key and value None: `rotate_into_cache` stored them."""
         out = self.backend.forward(
             query, key, value, kv_cache, metadata, self.scale, self.sliding_window
         )
         return out.reshape(out.shape[0], -1)
+
+    def rotate_into_cache(
+        self,
+        rotary: nn.Module,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """`rotary` applied and the keys and values stored in one pass where the backend can
+        (the rotated queries; then call `forward` with no key and value), else None."""
+        return self.backend.rotate_into_cache(
+            positions, query, key, value, rotary.cos_sin.float(), kv_cache, metadata
+        )
