@@ -17,6 +17,10 @@ each step is a pure decode step. Over those steps it prints:
 W3: batch 1, 32-token prompt, 64 output tokens, greedy (run inside CUDA graphs).
 W1-prefill: W1's prompts with one output token each: the prefill phase alone (steps of
     max_num_batched_tokens prompt tokens), wall against GPU busy, its top kernels.
+W1-run: the whole of W1 (256 x 512-token prompts, 256 greedy tokens each) step by step under
+    the profiler: wall against GPU busy over the run, the device's idle gaps (how many, how
+    long, the largest), and the host's time per step call by phase (steps with prompt
+    tokens, then pure decode).
 W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-steps decode
     steps with all 256 running after the last prefill chunk (chunked prefill interleaves the
     first requests' decodes with the later prompts, so those steps come late).
@@ -298,12 +302,72 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
     ]
 
 
+def idle_gaps_us(events) -> list[float]:
+    """The device's idle intervals between the first and the last activity (µs)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    gaps, end = [], None
+    for s, e in spans:
+        if end is not None and s > end:
+            gaps.append(s - end)
+        end = e if end is None else max(end, e)
+    return gaps
+
+
+def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
+    """The whole batch, step by step, under the profiler: wall and GPU busy over the run,
+    idle gaps, and the host's time per step call (prompt steps, then pure decode)."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    is_cuda = torch.cuda.is_available()
+    llm.reset_prefix_cache()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt, params)
+    host_ms: dict[str, list[float]] = {"prompt": [], "decode": []}
+    activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        synchronize()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            phase = "decode" if is_decode_only(engine, len(prompts)) else "prompt"
+            t = time.perf_counter()
+            engine.step()
+            host_ms[phase].append((time.perf_counter() - t) * 1e3)
+        synchronize()
+        wall = time.perf_counter() - start
+    events = device_events(prof)
+    busy = busy_us(events) / 1e6
+    gaps = sorted(idle_gaps_us(events), reverse=True)
+    tokens = len(prompts) * max_tokens
+    lines = [
+        f"== {name}: {len(prompts)} prompts, {max_tokens} output tokens each; "
+        f"{sum(len(v) for v in host_ms.values())} steps in {wall:.3f} s under the profiler "
+        f"({tokens / wall:,.0f} output tok/s)",
+        f"GPU busy {busy:.3f} s; idle {wall - busy:.3f} s of the wall time "
+        f"({100 * (wall - busy) / wall:.1f}%)",
+        f"idle gaps between device activities: {len(gaps)}, {sum(gaps) / 1e3:.1f} ms in all",
+    ]
+    for low, high in [(0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))]:
+        inside = [g for g in gaps if low <= g < high]
+        lines.append(f"  {low:>5}..{high:<5} us: {len(inside):7d} gaps, "
+                     f"{sum(inside) / 1e3:9.1f} ms")  # fmt: skip
+    lines.append("  largest (us): " + ", ".join(f"{g:.0f}" for g in gaps[:12]))
+    for phase, values in host_ms.items():
+        if values:
+            ordered = sorted(values)
+            lines.append(
+                f"host time per step call, {phase} steps ({len(values)}): median "
+                f"{ordered[len(ordered) // 2]:.2f} ms, p90 {ordered[int(len(ordered) * 0.9)]:.2f}"
+                f", max {ordered[-1]:.2f}, total {sum(values) / 1e3:.3f} s"
+            )
+    return [*lines, ""]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None, help="also write the tables to this text file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill"])
+    ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill", "W1-run"])
     ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
     ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
     ap.add_argument(
@@ -360,6 +424,12 @@ def main() -> int:
             )  # fmt: skip
         elif workload == "W1-prefill":
             report = profile_prefill(llm, workload, prompts_of([512] * 256, vocab, 0))
+        elif workload == "W1-run":
+            # As gpu_generate's W1: a warm-up with its sampling and full prefill steps.
+            llm.generate([{"prompt_token_ids": p} for p in prompts_of([512] * 32, vocab, 5)],
+                         SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+                         use_tqdm=False)  # fmt: skip
+            report = profile_run(llm, workload, prompts_of([512] * 256, vocab, 0), 256)
         else:
             steps, warmup = args.w1_steps, 2
             budget = llm.llm_engine.config.scheduler.max_num_batched_tokens
