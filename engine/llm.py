@@ -367,8 +367,8 @@ class LLM(PoolingMixin):
                 "shorten it, raise max_model_len, or set truncate_prompt_tokens"
             )
         vocab = self.llm_engine.vocab_size
-        bad = next((t for t in ids if t < 0 or t >= vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:  # C speed; then the first bad id, for the message
+            bad = next(t for t in ids if t < 0 or t >= vocab)
             raise InvalidPromptError(
                 f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
             )

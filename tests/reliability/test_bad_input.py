@@ -166,6 +166,18 @@ GENERATE_CASES = [
         "must be a list of ints",
     ),
     Case(
+        "token-id-bool",
+        lambda llm: llm.generate([{"prompt_token_ids": [3, True, 4]}]),
+        InvalidPromptError,
+        "must be a list of ints",
+    ),
+    Case(
+        "token-id-late-negative",
+        lambda llm: llm.generate([{"prompt_token_ids": [5] * 30 + [-7] + [VOCAB + 3]}]),
+        InvalidPromptError,
+        "token id -7 outside",
+    ),
+    Case(
         "lone-surrogate",
         lambda llm: llm.generate(["abc \ud800 def"]),
         InvalidPromptError,
