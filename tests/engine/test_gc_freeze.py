@@ -1,0 +1,81 @@
+"""A generation run keeps the objects that existed before it out of the garbage collector's
+full passes (frozen), and gives them back when it ends, however it ends."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from batchlm.engine import LLM, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(str(tiny_model_factory("llama")), max_model_len=128)
+
+
+@pytest.fixture
+def freeze_counts(llm, monkeypatch):
+    """The collector's frozen-object count seen at each engine step."""
+    seen: list[int] = []
+    step = llm.llm_engine.step
+
+    def counting_step():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", counting_step)
+    yield seen
+    gc.unfreeze()
+
+
+def test_generate_freezes_during_the_run_only(llm, freeze_counts):
+    assert gc.get_freeze_count() == 0
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, PARAMS, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    assert freeze_counts and min(freeze_counts) > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_wait_for_completion_freezes_during_the_run_only(llm, freeze_counts):
+    llm.enqueue([{"prompt_token_ids": [8, 9]}], PARAMS)
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert len(outs) == 1
+    assert freeze_counts and min(freeze_counts) > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_failing_run_unfreezes(llm, monkeypatch):
+    def failing_step():
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.llm_engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], PARAMS, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+    monkeypatch.undo()
+    # The engine serves the next call (the failed request was aborted).
+    assert len(llm.generate([{"prompt_token_ids": [5, 6]}], PARAMS, use_tqdm=False)) == 1
+
+
+def test_a_callers_freeze_is_left_to_the_caller(llm, freeze_counts):
+    gc.freeze()
+    before = gc.get_freeze_count()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+    # Still the caller's freeze (the fixture unfreezes): not given back by the run. The
+    # count moves only by the frozen objects that were freed meanwhile.
+    assert min(freeze_counts) > before - 1000
+    assert gc.get_freeze_count() > before - 1000
+
+
+def test_nothing_is_frozen_with_the_collector_off(llm, freeze_counts):
+    gc.disable()
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+    finally:
+        gc.enable()
+    assert set(freeze_counts) == {0}
