@@ -138,7 +138,9 @@ def gemv(
 
     Args:
         x: `[1, K]` (or `[K]`), with unit stride.
-        weight: `[N, K]`, same dtype, unit stride along K.
+        weight: `[N, K]`, same dtype, unit stride along K. Under PDL its first tile is
+            read before the wait for the previous kernel: it must not be that kernel's
+            output (weights never are).
         bias: `[N]` or None.
         **launch: `block_n`, `block_k`, `num_warps`, `num_stages` overrides (see
             `choose_gemv_launch`).
