@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import time
 import weakref
@@ -16,6 +14,7 @@ from .beam_search import BeamSearchOutput, BeamSearchParams
 from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
+from .gc_freeze import gc_heap_frozen
 from .inputs import PromptType, check_text, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
@@ -137,7 +136,7 @@ class LLM(PoolingMixin):
         raises without running (or losing) the others.
         """
         self._require_generation("generate")
-        with _gc_heap_frozen():
+        with gc_heap_frozen():
             request_ids = self._add_prompts(prompts, sampling_params)
             return self._run_engine(request_ids, use_tqdm)
 
@@ -166,7 +165,7 @@ class LLM(PoolingMixin):
             use_tqdm: Show a progress bar.
         """
         request_ids, self._enqueued = self._enqueued, []
-        with _gc_heap_frozen():
+        with gc_heap_frozen():
             outputs = self._run_engine(request_ids, use_tqdm)
         if output_type is not None:
             outputs = [o for o in outputs if isinstance(o, output_type)]
@@ -414,23 +413,3 @@ class LLM(PoolingMixin):
             if pending:  # interrupted: leave no request holding KV blocks
                 engine.abort_requests(sorted(pending))
         return [results[rid] for rid in request_ids]
-
-
-@contextlib.contextmanager
-def _gc_heap_frozen():
-    """Keep the objects that exist before a run out of the garbage collector's full passes
-    while it goes (`gc.freeze`), and give them back after (`gc.unfreeze`).
-
-    An engine holds hundreds of thousands of tracked objects (one per KV cache block and
-    more); a full pass over them takes 0.1-0.2 s, during which the host launches nothing
-    and the device, one step ahead at most, runs dry. Objects made during the run are still
-    collected as usual. Nothing changes when the collector is off or objects are already
-    frozen (by the caller, who then owns the freeze)."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

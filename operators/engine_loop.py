@@ -34,6 +34,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchlm.engine.gc_freeze import freeze_gc_heap
+
 from .rows import (
     GENERATION_TASKS,
     ModelInfo,
@@ -116,6 +118,7 @@ class EngineLoop:
         self._closed = False
         self._fault: BaseException | None = None
         self._num_faults = 0
+        self._unfreeze_gc: Callable[[], None] | None = None  # set while requests run
         self._thread = threading.Thread(target=self._serve, name="batchlm-engine", daemon=True)
         self._thread.start()
 
@@ -154,6 +157,17 @@ class EngineLoop:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._serve_jobs()
+        finally:
+            self._thaw_gc()
+
+    def _thaw_gc(self) -> None:
+        if self._unfreeze_gc is not None:
+            self._unfreeze_gc()
+            self._unfreeze_gc = None
+
+    def _serve_jobs(self) -> None:
         while True:
             jobs = self._take(block=not self._active)
             if jobs is None:
@@ -166,7 +180,11 @@ class EngineLoop:
                 for job in jobs:
                     self._guarded(self._admit, job)
                 if self._active:
+                    if self._unfreeze_gc is None:  # busy: see batchlm.engine.gc_freeze
+                        self._unfreeze_gc = freeze_gc_heap()
                     self._guarded(self._step)
+                if not self._active:
+                    self._thaw_gc()
             elif jobs:
                 self._guarded(self._run_pooling, jobs)
 
@@ -293,6 +311,7 @@ class EngineLoop:
                 self._retry.append(job)
         self._active.clear()
         self._owner.clear()
+        self._thaw_gc()  # the broken engine's objects must be collectable
         self._release()
         try:
             self.llm = self._build()

@@ -6,6 +6,7 @@ batch is still running; the real engines are exercised by test_ray_data.py.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from types import SimpleNamespace
@@ -28,11 +29,13 @@ class FakeEngine:
         self.running: dict[str, int] = {}  # request id -> steps left
         self.prompts: dict[str, str] = {}
         self.max_running = 0
+        self.freeze_counts: list[int] = []  # the collector's frozen objects at each step
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
     def step(self) -> list[SimpleNamespace]:
+        self.freeze_counts.append(gc.get_freeze_count())
         time.sleep(self.owner.step_s)
         if any("CRASH" in self.prompts[rid] for rid in self.running):
             raise RuntimeError("device lost")
@@ -81,6 +84,7 @@ class FakeLLM:
 
     def shutdown(self) -> None:
         self.is_shut_down = True
+        self.freeze_count_at_shutdown = gc.get_freeze_count()
 
 
 def _output(rid: str, prompt: str) -> SimpleNamespace:
@@ -284,3 +288,45 @@ def test_batches_queued_behind_an_engine_that_cannot_be_rebuilt_fail_too():
             future.result(timeout=10)
     loop.close()
     assert build.num_attempts == 2  # no further attempt after the rebuild failed
+
+
+def _wait_for_thaw(timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while gc.get_freeze_count() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return gc.get_freeze_count()
+
+
+def test_the_heap_is_frozen_while_generation_runs_and_thawed_when_idle():
+    assert gc.get_freeze_count() == 0
+    build = Builder(step_s=0.001)
+    loop = EngineLoop(build, GEN, info=INFO)
+    try:
+        _check_generated(loop.submit(_batch([0, 1], words=5)).result(timeout=10))
+        steps = build.llms[0].llm_engine.freeze_counts
+        assert steps and min(steps) > 0
+        assert _wait_for_thaw() == 0
+        # Busy again: frozen again.
+        _check_generated(loop.submit(_batch([2], words=3)).result(timeout=10))
+        assert min(steps[-3:]) > 0
+        assert _wait_for_thaw() == 0
+    finally:
+        loop.close()
+        gc.unfreeze()
+
+
+def test_an_engine_failure_thaws_the_heap_before_the_broken_engine_goes():
+    build = Builder(step_s=0.002)
+    loop = EngineLoop(build, GEN, info=INFO, max_batch_retries=1)
+    try:
+        first = loop.submit(_batch([0, 1], words=30))
+        time.sleep(0.02)
+        loop._inject_failure(RuntimeError("device lost"))
+        _check_generated(first.result(timeout=10))
+        # Released with its objects collectable (a frozen cycle would keep its memory).
+        assert build.llms[0].freeze_count_at_shutdown == 0
+        assert min(build.llms[1].llm_engine.freeze_counts) > 0
+        assert _wait_for_thaw() == 0
+    finally:
+        loop.close()
+        gc.unfreeze()
