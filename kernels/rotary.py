@@ -38,6 +38,21 @@ class RotaryOutput(NamedTuple):
 
 
 @triton.jit
+def _token_cos_sin(
+    cos_sin_ptr, positions_ptr, token, stride_cs, stride_cp, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """`[1, BLOCK_HALF]` float32 cosines and sines at the token's position. The table
+    repeats its first half (cat([freqs, freqs])): one half serves both."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cos_sin_ptr + pos * stride_cp + offs_c
+    cos = tl.load(row, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + stride_cs, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr,  # this token's [num_heads, head_dim] rows
     dst_ptr,
@@ -90,12 +105,9 @@ def _rotary_kernel(
 ):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
-    # The table repeats its first half (cat([freqs, freqs])): one half serves both.
-    row = cos_sin_ptr + pos * stride_cp + offs_c
-    cos = tl.load(row, mask=offs_c < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(row + stride_cs, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(
+        cos_sin_ptr, positions_ptr, token, stride_cs, stride_cp, HALF, BLOCK_HALF
+    )
     _rotate_heads(
         query_ptr + token * stride_qt,
         query_out_ptr + token * stride_oqt,
@@ -179,12 +191,10 @@ def _rotary_into_cache_kernel(
 ):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_c = tl.arange(0, BLOCK_HALF)[None, :]
-    row = cos_sin_ptr + pos * stride_cp + offs_c
-    cos = tl.load(row, mask=offs_c < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(row + stride_cs, mask=offs_c < HALF, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(
+        cos_sin_ptr, positions_ptr, token, stride_cs, stride_cp, HALF, BLOCK_HALF
+    )
     _rotate_heads(
         query_ptr + token * stride_qt,
         query_out_ptr + token * stride_oqt,

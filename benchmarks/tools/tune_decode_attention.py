@@ -102,6 +102,9 @@ class Shape:
         self.out = torch.empty_like(self.inputs[0])
         self.bytes = bytes_moved(seq_lens)
 
+    def rates(self, ms: float) -> dict:
+        return dict(gb_per_s=round(self.bytes / (ms * 1e-3) / 1e9, 1))
+
     def call(self, config: dict) -> None:
         from batchlm.kernels.decode_attention import decode_attention
 
@@ -115,32 +118,41 @@ class Shape:
         )
 
 
-def measure(shape: Shape, config: dict, reference: torch.Tensor | None, args) -> dict:
-    """One configuration: compile, check, capture, time. Returns its JSON record."""
+def graph_ms(call, warmup_ms: float, rep_ms: float) -> float:
+    """Median milliseconds of `call()` replayed from a CUDA graph (`do_bench`, L2 flushed
+    before each replay). `call` has run once already (compiled)."""
     from triton.testing import do_bench
 
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # allocations of the launcher settle before capture
+        with torch.cuda.graph(graph, stream=stream):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def measure(shape, config: dict, reference: torch.Tensor | None, args) -> dict:
+    """One configuration: compile, check, capture, time. Returns its JSON record (`shape`
+    has `name`, `call(config)`, `out` and `rates(ms)`; `args` the timing options and, for
+    register counts, `last_launch`)."""
     record = dict(shape=shape.name, **config)
     try:
         shape.call(config)  # compiles
         torch.cuda.synchronize()
-        record.update(args.last_launch.stats())
+        if getattr(args, "last_launch", None) is not None:
+            record.update(args.last_launch.stats())
         out = shape.out.clone()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            shape.call(config)  # allocations of the launcher settle before capture
-            with torch.cuda.graph(graph, stream=stream):
-                shape.call(config)
-        torch.cuda.current_stream().wait_stream(stream)
-        ms = do_bench(graph.replay, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+        ms = graph_ms(lambda: shape.call(config), args.warmup_ms, args.rep_ms)
     except Exception as exc:  # noqa: BLE001 - a failing config is reported, the sweep goes on
         record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return record
     diff = 0.0 if reference is None else (out.float() - reference.float()).abs().max().item()
     record.update(
         us=round(ms * 1e3, 2),
-        gb_per_s=round(shape.bytes / (ms * 1e-3) / 1e9, 1),
+        **shape.rates(ms),
         max_abs_diff=round(diff, 5),
         ok=bool(diff < TOLERANCE and torch.isfinite(out).all().item()),
     )

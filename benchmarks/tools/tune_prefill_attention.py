@@ -26,11 +26,11 @@ import random
 import sys
 
 import torch
+from tune_decode_attention import measure
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 BLOCK_SIZE = 16
-TOLERANCE = 2e-2
 BLOCK_MS = (64, 128)
 BLOCK_NS = (32, 64, 128)
 NUM_WARPS = (4, 8)
@@ -69,44 +69,15 @@ class Shape:
         visible = sum(sum(range(s - q + 1, s + 1)) for q, s in batch)
         self.flops = 4 * visible * num_heads * head_dim
 
+    def rates(self, ms: float) -> dict:
+        return dict(tflops=round(self.flops / (ms * 1e-3) / 1e12, 1))
+
     def call(self, config: dict) -> None:
         from batchlm.kernels.prefill_attention import prefill_attention
 
         prefill_attention(
             *self.inputs, self.head_dim**-0.5, self.max_query_len, out=self.out, **config
         )
-
-
-def measure(shape: Shape, config: dict, reference: torch.Tensor | None, args) -> dict:
-    from triton.testing import do_bench
-
-    record = dict(shape=shape.name, **config)
-    try:
-        shape.call(config)  # compiles
-        torch.cuda.synchronize()
-        out = shape.out.clone()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            shape.call(config)
-            with torch.cuda.graph(graph, stream=stream):
-                shape.call(config)
-        torch.cuda.current_stream().wait_stream(stream)
-        ms = do_bench(graph.replay, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-    except Exception as exc:  # noqa: BLE001 - a failing config is reported, the sweep goes on
-        record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-        return record
-    diff = 0.0 if reference is None else (out.float() - reference.float()).abs().max().item()
-    record.update(
-        us=round(ms * 1e3, 2),
-        tflops=round(shape.flops / (ms * 1e-3) / 1e12, 1),
-        max_abs_diff=round(diff, 5),
-        ok=bool(diff < TOLERANCE and torch.isfinite(out).all().item()),
-    )
-    if reference is None:
-        record["output"] = out
-    return record
 
 
 def sweep(shape: Shape, args, emit) -> dict:
