@@ -3,10 +3,9 @@ Triton's interpreter, for tests).
 
 Per layer: the step's keys and values are written into the paged cache by slot (in the
 same kernel as the rotary embedding, for whole-head rotary and a cache in the model's
-dtype), then a
-decode-only step (one query token per sequence) runs the split-K decode kernel and every
-other step (prefills, chunked prefills, prefix-cache hits, mixed prefill + decode) runs the
-variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
+dtype), then a decode-only step (one query token per sequence) runs the split-K decode
+kernel and every other step (prefills, chunked prefills, prefix-cache hits, mixed prefill
++ decode) runs the variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
 tensors directly; `prepare` only decides which kernel the step uses.
 """
 
