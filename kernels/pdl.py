@@ -16,7 +16,7 @@ The contract every kernel here keeps, so that chains stay ordered:
 
 Kernels launched without the attribute (cuBLAS, PyTorch's own) wait for full completion as
 always, and `griddepcontrol` does nothing in a kernel launched without it. Under Triton's
-interpreter and before sm_90, `launch_options` turns PDL off.
+interpreter, before sm_90 and on sm_120, `launch_options` turns PDL off.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from .launch import _capability, is_interpreted
 __all__ = ["launch_options", "set_enabled", "wait_for_previous_kernel"]
 
 _enabled = True
+# Hopper (sm_90) and data-centre Blackwell (sm_100): where PDL inside CUDA graphs is in wide
+# use. Consumer Blackwell (sm_120) has had graph captures fail with PDL launches elsewhere,
+# so it launches the usual way.
+_ARCHS = (9, 10)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -43,12 +47,12 @@ def set_enabled(enabled: bool) -> None:
 
 def launch_options(kernel: object, device: torch.device) -> dict[str, bool]:
     """The keyword arguments for one launch of a kernel that takes a `PDL` constexpr:
-    PDL on for CUDA devices of compute capability 9.0 or newer, off otherwise."""
+    PDL on for CUDA devices of compute capability 9.x and 10.x, off otherwise."""
     on = (
         _enabled
         and device.type == "cuda"
         and not is_interpreted(kernel)
-        and _capability(device) >= (9, 0)
+        and _capability(device)[0] in _ARCHS
     )
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 

@@ -33,9 +33,9 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
 
 @pytest.mark.parametrize(
     ("capability", "expected"),
-    [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)],
+    [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), False)],
 )
-def test_on_from_hopper(monkeypatch, capability, expected):
+def test_on_for_hopper_and_datacentre_blackwell(monkeypatch, capability, expected):
     monkeypatch.setattr(pdl, "_capability", lambda device: capability)
     options = pdl.launch_options(_jit_function(), torch.device("cuda", 0))
     assert options == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
