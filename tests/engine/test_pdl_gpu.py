@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from batchlm.engine import LLM, SamplingParams
+from batchlm.kernels import pdl
+from batchlm.kernels.rms_norm import _rms_norm_kernel
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _pdl_back_on():
+    yield
+    pdl.set_enabled(True)  # engines built later in this process launch with it again
+
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
 
@@ -19,9 +28,6 @@ def _run(path, monkeypatch, pdl_env: str, enforce_eager: bool):
     monkeypatch.setenv("BATCHLM_PDL", pdl_env)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=256, max_num_seqs=8, seed=0,
               enforce_eager=enforce_eager)  # fmt: skip
-    from batchlm.kernels import pdl
-    from batchlm.kernels.rms_norm import _rms_norm_kernel
-
     assert pdl.launch_options(_rms_norm_kernel, torch.device("cuda"))["PDL"] is (pdl_env == "1")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49000, (n,), generator=gen).tolist() for n in (7, 40, 90, 13)]
@@ -41,8 +47,8 @@ def _run(path, monkeypatch, pdl_env: str, enforce_eager: bool):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_same_outputs_with_and_without_pdl(arch, enforce_eager, tiny_model_factory, monkeypatch):
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    if torch.cuda.get_device_capability()[0] not in pdl._ARCHS:
+        pytest.skip("batchlm launches with PDL on sm_90 and sm_100 only")
     path = tiny_model_factory(arch)
     assert _run(path, monkeypatch, "1", enforce_eager) == _run(
         path, monkeypatch, "0", enforce_eager
