@@ -13,14 +13,26 @@ import torch
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+_RUN_CACHE: str | None = None
+"""The per-run cache folder this session made (removed when it ends)."""
+
+
 def pytest_configure(config):
     # Converted weights go to a per-run folder, never to the user's cache.
+    global _RUN_CACHE
     if "BATCHLM_CACHE_DIR" not in os.environ:
         import tempfile
 
-        os.environ["BATCHLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="batchlm-test-cache-")
+        _RUN_CACHE = tempfile.mkdtemp(prefix="batchlm-test-cache-")
+        os.environ["BATCHLM_CACHE_DIR"] = _RUN_CACHE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_unconfigure(config):
+    # The converted SmolLM2 alone is 0.5 GB: a run leaves nothing behind in the temp folder.
+    if _RUN_CACHE is not None:
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
