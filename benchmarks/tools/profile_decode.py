@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import shutil
@@ -143,16 +144,20 @@ def device_events(prof) -> list:
     return cuda or [e for e in events if e.device_type == DeviceType.CPU]
 
 
+def merged_spans(events) -> list[tuple[float, float]]:
+    """The events' time ranges (µs) merged where they overlap or nest, in order."""
+    merged: list[list[float]] = []
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
 def busy_us(events) -> float:
     """Microseconds covered by at least one event (overlaps and nesting counted once)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    total, end = 0.0, float("-inf")
-    for s, e in spans:
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
+    return sum(e - s for s, e in merged_spans(events))
 
 
 def kernel_table(
@@ -304,13 +309,7 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
 
 def idle_gaps_us(events) -> list[float]:
     """The device's idle intervals between the first and the last activity (µs)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    gaps, end = [], None
-    for s, e in spans:
-        if end is not None and s > end:
-            gaps.append(s - end)
-        end = e if end is None else max(end, e)
-    return gaps
+    return [s - e for (_, e), (s, _) in itertools.pairwise(merged_spans(events))]
 
 
 def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
@@ -342,7 +341,7 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
         f"== {name}: {len(prompts)} prompts, {max_tokens} output tokens each; "
         f"{sum(len(v) for v in host_ms.values())} steps in {wall:.3f} s under the profiler "
         f"({tokens / wall:,.0f} output tok/s)",
-        f"GPU busy {busy:.3f} s; idle {wall - busy:.3f} s of the wall time "
+        f"{'GPU' if is_cuda else 'CPU'} busy {busy:.3f} s; idle {wall - busy:.3f} s of the wall time "
         f"({100 * (wall - busy) / wall:.1f}%)",
         f"idle gaps between device activities: {len(gaps)}, {sum(gaps) / 1e3:.1f} ms in all",
     ]
