@@ -9,22 +9,26 @@ import pytest
 import torch
 
 from batchlm.engine import LLM, SamplingParams
-from batchlm.kernels import pdl
-from batchlm.kernels.rms_norm import _rms_norm_kernel
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _pdl_back_on():
-    yield
+@pytest.fixture
+def pdl():
+    # Imported here, not at collection: on a CPU-only run the kernel modules must first be
+    # imported under Triton's interpreter (tests/kernels/conftest.py).
+    from batchlm.kernels import pdl
+
+    yield pdl
     pdl.set_enabled(True)  # engines built later in this process launch with it again
 
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
-def _run(path, monkeypatch, pdl_env: str, enforce_eager: bool):
+def _run(path, monkeypatch, pdl, pdl_env: str, enforce_eager: bool):
+    from batchlm.kernels.rms_norm import _rms_norm_kernel
+
     monkeypatch.setenv("BATCHLM_PDL", pdl_env)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=256, max_num_seqs=8, seed=0,
               enforce_eager=enforce_eager)  # fmt: skip
@@ -46,10 +50,12 @@ def _run(path, monkeypatch, pdl_env: str, enforce_eager: bool):
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_same_outputs_with_and_without_pdl(arch, enforce_eager, tiny_model_factory, monkeypatch):
+def test_same_outputs_with_and_without_pdl(
+    arch, enforce_eager, tiny_model_factory, monkeypatch, pdl
+):
     if torch.cuda.get_device_capability()[0] not in pdl._ARCHS:
         pytest.skip("batchlm launches with PDL on sm_90 and sm_100 only")
     path = tiny_model_factory(arch)
-    assert _run(path, monkeypatch, "1", enforce_eager) == _run(
-        path, monkeypatch, "0", enforce_eager
+    assert _run(path, monkeypatch, pdl, "1", enforce_eager) == _run(
+        path, monkeypatch, pdl, "0", enforce_eager
     )
