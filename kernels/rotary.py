@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .launch import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, next_power_of_2
 from .pdl import launch_options, wait_for_previous_kernel
+from .write_kv_cache import store_heads
 
 __all__ = [
     "RotaryOutput",
@@ -135,24 +136,6 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _copy_heads(
-    src_ptr,  # this token's [num_heads, head_dim] rows
-    dst_ptr,
-    stride_sh,
-    stride_dh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (offs_h < NUM_HEADS) & (offs_d < HEAD_DIM)
-    x = tl.load(src_ptr + offs_h * stride_sh + offs_d, mask=mask)
-    tl.store(dst_ptr + offs_h * stride_dh + offs_d, x.to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rotary_into_cache_kernel(
     positions_ptr,  # [num_tokens]
     slot_mapping_ptr,  # [num_tokens]; < 0: not written
@@ -223,7 +206,7 @@ def _rotary_into_cache_kernel(
             BLOCK_KV_H,
             BLOCK_HALF,
         )
-        _copy_heads(
+        store_heads(
             value_ptr + token * stride_vt,
             value_cache_ptr + block * stride_vcb + offset * stride_vcs,
             stride_vh,
@@ -232,6 +215,8 @@ def _rotary_into_cache_kernel(
             HEAD_DIM,
             BLOCK_KV_H,
             BLOCK_D,
+            False,  # IS_FP8: an fp8 cache takes write_kv_cache
+            False,
         )
 
 

@@ -68,27 +68,52 @@ def _write_kv_cache_kernel(
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(
-        key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
+    store_heads(
+        key_ptr + token * stride_kt,
+        key_cache_ptr + block * stride_kcb + offset * stride_kcs,
+        stride_kh,
+        stride_kch,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_H,
+        BLOCK_D,
+        IS_FP8,
+        SOFTWARE_FP8_CAST,
     )
-    v = tl.load(
-        value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
+    store_heads(
+        value_ptr + token * stride_vt,
+        value_cache_ptr + block * stride_vcb + offset * stride_vcs,
+        stride_vh,
+        stride_vch,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_H,
+        BLOCK_D,
+        IS_FP8,
+        SOFTWARE_FP8_CAST,
     )
-    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs
-    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs
-    tl.store(
-        k_dst + offs_h[:, None] * stride_kch + offs_d[None, :],
-        _to_cache(k, key_cache_ptr.dtype.element_ty, IS_FP8, SOFTWARE_FP8_CAST),
-        mask=mask,
-    )
-    tl.store(
-        v_dst + offs_h[:, None] * stride_vch + offs_d[None, :],
-        _to_cache(v, value_cache_ptr.dtype.element_ty, IS_FP8, SOFTWARE_FP8_CAST),
-        mask=mask,
-    )
+
+
+@triton.jit
+def store_heads(
+    src_ptr,  # one token's [num_heads, head_dim] rows, heads `stride_sh` apart
+    dst_ptr,  # its slot in a cache, heads `stride_dh` apart
+    stride_sh,
+    stride_dh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    SOFTWARE_FP8_CAST: tl.constexpr,
+):
+    """Copy one token's heads into a cache slot, in the cache's dtype (`_to_cache`)."""
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < NUM_HEADS) & (offs_d < HEAD_DIM)
+    x = tl.load(src_ptr + offs_h * stride_sh + offs_d, mask=mask)
+    x = _to_cache(x, dst_ptr.dtype.element_ty, IS_FP8, SOFTWARE_FP8_CAST)
+    tl.store(dst_ptr + offs_h * stride_dh + offs_d, x, mask=mask)
 
 
 @triton.jit
