@@ -118,6 +118,20 @@ class Shape:
         )
 
 
+def jsonl_emitter(sink):
+    """`emit(record)`: prints one JSON line and appends it to `sink` (an open file, or None)
+    as it goes, so an interrupted sweep keeps what it measured."""
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+
+    return emit
+
+
 def graph_ms(call, warmup_ms: float, rep_ms: float) -> float:
     """Median milliseconds of `call()` replayed from a CUDA graph (`do_bench`, L2 flushed
     before each replay). `call` has run once already (compiled)."""
@@ -234,13 +248,7 @@ def main() -> int:
     import triton
 
     sink = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
-
-    def emit(record: dict) -> None:
-        line = json.dumps(record)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
-            sink.flush()
+    emit = jsonl_emitter(sink)
 
     start = time.perf_counter()
     args.last_launch = LastLaunch()

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import sys
 
 import torch
-from tune_decode_attention import measure
+from tune_decode_attention import jsonl_emitter, measure
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -137,13 +136,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
-
-    def emit(record: dict) -> None:
-        line = json.dumps(record)
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+    emit = jsonl_emitter(out)
 
     import triton
 
