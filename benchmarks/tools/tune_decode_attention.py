@@ -67,9 +67,13 @@ class LastLaunch:
             return {}
 
 
-def build_inputs(seq_lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+def build_inputs(seq_lens: list[int], seed: int, layout: str = "NHD") -> tuple[torch.Tensor, ...]:
     """query `[num_seqs, 32, 128]`, key / value caches `[num_blocks, 16, 8, 128]` (twice the
-    blocks the sequences use, so theirs are scattered), block tables (shuffled ids), lens."""
+    blocks the sequences use, so theirs are scattered), block tables (shuffled ids), lens.
+
+    `layout` is the caches' memory order: NHD, each block token-major (a token's heads
+    together); HND, head-major (a head's tokens of the block together), seen through the
+    same `[num_blocks, block_size, kv_heads, head_dim]` strided view."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = 2 * sum(blocks_per_seq)
@@ -79,9 +83,14 @@ def build_inputs(seq_lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
     for i, nb in enumerate(blocks_per_seq):
         block_tables[i, :nb] = ids[used : used + nb].cpu()
         used += nb
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if layout == "HND":
+        shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    else:
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
     value_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
+    if layout == "HND":
+        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     return query.to(DTYPE), key_cache, value_cache, block_tables.to(DEVICE), lens
@@ -95,10 +104,10 @@ def bytes_moved(seq_lens: list[int]) -> int:
 
 class Shape:
     def __init__(self, name: str, seq_lens: list[int], max_seq_len: int, split_each_seq: bool,
-                 splits: tuple[int, ...], seed: int) -> None:  # fmt: skip
+                 splits: tuple[int, ...], seed: int, layout: str) -> None:  # fmt: skip
         self.name, self.seq_lens, self.splits = name, seq_lens, splits
         self.max_seq_len, self.split_each_seq = max_seq_len, split_each_seq
-        self.inputs = build_inputs(seq_lens, seed)
+        self.inputs = build_inputs(seq_lens, seed, layout)
         self.out = torch.empty_like(self.inputs[0])
         self.bytes = bytes_moved(seq_lens)
 
@@ -241,6 +250,10 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=float, default=40.0)
     ap.add_argument("--top", type=int, default=2, help="phase-1 configs that get phase 2")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cache-layout", action="append", choices=["NHD", "HND"],
+        help="memory order of the caches' blocks (repeat to sweep both; default NHD)",
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("tune_decode_attention: needs a CUDA GPU; nothing to do on this machine")
@@ -263,14 +276,16 @@ def main() -> int:
     gen = torch.Generator().manual_seed(args.seed)
     w1_lens = torch.randint(512, 769, (256,), generator=gen).tolist()
     shapes = {
-        "W1": lambda: Shape("W1", w1_lens, max(w1_lens), False, W1_SPLITS, args.seed),
-        "W3-4096": lambda: Shape("W3-4096", [288], 4096, True, W3_SPLITS, args.seed),
-        "W3-2048": lambda: Shape("W3-2048", [288], 2048, True, W3_SPLITS, args.seed),
+        "W1": (w1_lens, max(w1_lens), False, W1_SPLITS),
+        "W3-4096": ([288], 4096, True, W3_SPLITS),
+        "W3-2048": ([288], 2048, True, W3_SPLITS),
     }
+    layouts = args.cache_layout or ["NHD"]
     best = {}
-    for name in args.shape or list(shapes):
-        shape = shapes[name]()
-        best[name] = sweep(shape, args, emit)
+    for name, layout in itertools.product(args.shape or list(shapes), layouts):
+        label = name if layouts == ["NHD"] else f"{name}/{layout}"
+        shape = Shape(label, *shapes[name], args.seed, layout)
+        best[label] = sweep(shape, args, emit)
         del shape
         torch.cuda.empty_cache()
     emit(dict(best=best, wall_s=round(time.perf_counter() - start, 1)))
