@@ -61,19 +61,6 @@ def programmatic_launch() -> bool:
     raise ValueError(f"BATCHLM_PDL={value!r} must be 1 (on, the default) or 0 (off)")
 
 
-def kv_cache_layout() -> str | None:
-    """BATCHLM_KV_CACHE_LAYOUT: the memory order of each KV cache block, `NHD` (token-major:
-    a token's heads side by side) or `HND` (head-major: one head's tokens side by side).
-    Every kernel sees the same `[num_blocks, block_size, num_kv_heads, head_dim]` view
-    either way. Unset (None): the runner's default."""
-    value = os.environ.get("BATCHLM_KV_CACHE_LAYOUT", "").strip().upper()
-    if not value:
-        return None
-    if value not in ("NHD", "HND"):
-        raise ValueError(f"BATCHLM_KV_CACHE_LAYOUT={value!r} must be NHD or HND")
-    return value
-
-
 def tp_timeout_s() -> float:
     """BATCHLM_TP_TIMEOUT_S: seconds a tensor-parallel rank may take to start, to answer the
     engine's own calls, or to join a collective before it counts as failed (default 600)."""

@@ -241,19 +241,15 @@ def write_paged_kv_ref(
 ) -> None:
     """Store each token's key / value at its slot of the paged cache (cast to its dtype; fp8
     clamped to ±448 first)."""
-    block_size = key_cache.shape[1]
-    key, value = _to_cache_dtype(key, key_cache.dtype), _to_cache_dtype(value, value_cache.dtype)
-    if key_cache.dtype == torch.float8_e4m3fn:  # CPU torch has no fp8 index_put_: copy bytes
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    key, value = _to_cache_dtype(key, flat_k.dtype), _to_cache_dtype(value, flat_v.dtype)
+    if flat_k.dtype == torch.float8_e4m3fn:  # CPU torch has no fp8 index_copy_: copy bytes
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
-    # Indexed by (block, offset), so that any memory order of the blocks works; a negative
-    # slot (padding) writes nothing, as in the kernel.
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[blocks, offsets] = key
-    value_cache[blocks, offsets] = value
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
 
 
 def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

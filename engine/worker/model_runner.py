@@ -167,9 +167,6 @@ class ModelRunner:
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
         self.kv_dtype = config.cache.cache_dtype or self.dtype
-        self.kv_layout = envs.kv_cache_layout() or "NHD"
-        """Memory order of each cache block (`envs.kv_cache_layout`); the per-layer tensors
-        are `[2, num_blocks, block_size, num_kv_heads, head_dim]` views either way."""
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(self.device).manual_seed(config.model.seed)
         self.request_generators: dict[str, torch.Generator] = {}
@@ -339,19 +336,13 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.decode_graphs = None  # graphs read the old tensors' addresses
         self.kv_caches = []
-        self.kv_caches = [self._new_kv_cache(num_blocks) for _ in range(self.num_layers)]
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, final=False)
-
-    def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One layer's keys and values: `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
-        laid out in memory as `self.kv_layout` says."""
-        if self.kv_layout == "HND":
-            shape = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            return cache.transpose(2, 3)
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def enable_decode_graphs(self, capture: bool = True) -> None:
