@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_generate import LLAMA_8B, SMOKE, prompts_of  # noqa: E402
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
+from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
 
 TOP_KERNELS = 25
 
@@ -307,9 +308,74 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
     ]
 
 
-def idle_gaps_us(events) -> list[float]:
-    """The device's idle intervals between the first and the last activity (µs)."""
-    return [s - e for (_, e), (s, _) in itertools.pairwise(merged_spans(events))]
+def idle_gaps(events) -> list[tuple[float, str, str]]:
+    """The device's idle intervals between the first and the last activity: (µs, the
+    activity that ended last before it, the one that starts it)."""
+    gaps = []
+    end, last = None, ""
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, stop = e.time_range.start, e.time_range.end
+        if end is not None and start > end:
+            gaps.append((start - end, last, e.name))
+        if end is None or stop >= end:
+            end, last = stop, e.name
+    return gaps
+
+
+class RunLog:
+    """What happened on the host during a profiled run, by step: Triton kernel variants
+    compiled (a cache miss: compiled, or loaded from Triton's disk cache) and the garbage
+    collector's passes, with their durations."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.compiles: list[tuple[int, str]] = []
+        self.collections: list[tuple[int, int, float]] = []
+        self._gc_start = 0.0
+
+    def _on_compile(self, *, repr, **_) -> bool:
+        self.compiles.append((self.step, repr))
+        return False  # compile as usual
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._gc_start) * 1e3
+            self.collections.append((self.step, info["generation"], ms))
+
+    def __enter__(self) -> RunLog:
+        import gc
+
+        import triton
+
+        self._previous_hook = triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = self._on_compile
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = self._previous_hook
+        gc.callbacks.remove(self._on_gc)
+
+    def lines(self) -> list[str]:
+        lines = [f"Triton kernel variants compiled inside the run: {len(self.compiles)}"]
+        lines += [f"  step {step}: {what[:160]}" for step, what in self.compiles[:20]]
+        by_gen: dict[int, list[float]] = defaultdict(list)
+        for _, gen, ms in self.collections:
+            by_gen[gen].append(ms)
+        for gen, values in sorted(by_gen.items()):
+            lines.append(
+                f"garbage collections of generation {gen}: {len(values)}, {sum(values):.1f} ms "
+                f"in all, longest {max(values):.2f} ms"
+            )
+        slow = [(step, gen, ms) for step, gen, ms in self.collections if ms >= 0.5]
+        lines += [f"  step {step}: generation {gen}, {ms:.2f} ms" for step, gen, ms in slow[:20]]
+        return lines
 
 
 def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
@@ -323,11 +389,13 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
         engine.add_request(f"{name}-{i}", prompt, params)
     host_ms: dict[str, list[float]] = {"prompt": [], "decode": []}
     activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
+    # As in LLM.generate: the objects made before the run stay out of full collections.
+    with profile(activities=activities) as prof, gc_heap_frozen(), RunLog() as log:
         synchronize()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             phase = "decode" if is_decode_only(engine, len(prompts)) else "prompt"
+            log.step += 1
             t = time.perf_counter()
             engine.step()
             host_ms[phase].append((time.perf_counter() - t) * 1e3)
@@ -335,7 +403,8 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
         wall = time.perf_counter() - start
     events = device_events(prof)
     busy = busy_us(events) / 1e6
-    gaps = sorted(idle_gaps_us(events), reverse=True)
+    named_gaps = sorted(idle_gaps(events), reverse=True)
+    gaps = [g for g, _, _ in named_gaps]
     tokens = len(prompts) * max_tokens
     lines = [
         f"== {name}: {len(prompts)} prompts, {max_tokens} output tokens each; "
@@ -349,7 +418,16 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
         inside = [g for g in gaps if low <= g < high]
         lines.append(f"  {low:>5}..{high:<5} us: {len(inside):7d} gaps, "
                      f"{sum(inside) / 1e3:9.1f} ms")  # fmt: skip
-    lines.append("  largest (us): " + ", ".join(f"{g:.0f}" for g in gaps[:12]))
+    lines.append("  largest (us), between the activity before and the one after:")
+    lines += [f"  {g:8.0f}  {before[:60]}  ->  {after[:60]}" for g, before, after in named_gaps[:12]]
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for g, before, after in named_gaps:
+        if g >= 100:
+            pairs[before[:60], after[:60]].append(g)
+    lines.append("  gaps of 100 us or more by (before -> after):")
+    for (before, after), values in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        lines.append(f"  {len(values):5d} gaps, {sum(values) / 1e3:7.1f} ms: {before} -> {after}")
+    lines += log.lines()
     for phase, values in host_ms.items():
         if values:
             ordered = sorted(values)
