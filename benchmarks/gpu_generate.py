@@ -187,6 +187,12 @@ def make_llm(folder: Path, args, **kwargs) -> LLM:
     )
 
 
+def step_budget(llm: LLM) -> dict:
+    """The engine's per-step limits (defaults depend on the device), for the record."""
+    sched = llm.llm_engine.config.scheduler
+    return dict(max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+
+
 def w1(args, rec: Recorder, folder: Path) -> None:
     prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
     hf = build_random_model(LLAMA_8B, folder)
@@ -214,6 +220,7 @@ def w1(args, rec: Recorder, folder: Path) -> None:
         num_requests=256,
         prompt_len=512,
         output_len=256,
+        **step_budget(llm),
         **decode_breakdown(llm, prompts, params, LLAMA_8B),
     )
     if base:
@@ -256,6 +263,7 @@ def w3(args, rec: Recorder, folder: Path) -> None:
         batch_size=1,
         prompt_len=32,
         output_len=256,
+        **step_budget(llm),
         **decode_breakdown(llm, prompts, params, LLAMA_8B),
     )
     if base_ms:
@@ -279,6 +287,7 @@ def w5(args, rec: Recorder, folder: Path) -> None:
         llm = make_llm(folder, args, max_num_seqs=256, enable_prefix_caching=caching)
         run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
         results[caching], _ = run_batchlm(llm, prompts, params)
+        budget = step_budget(llm)
         del llm
         release()
     tps_on, tps_off = 256 * 64 / results[True], 256 * 64 / results[False]
@@ -290,6 +299,7 @@ def w5(args, rec: Recorder, folder: Path) -> None:
         own_len=64,
         output_len=64,
         num_requests=256,
+        **budget,
     )
     rec.record(system="batchlm-prefix-caching-off", value=round(tps_off, 1), **common)
     rec.record(
@@ -340,6 +350,7 @@ def w2(args, rec: Recorder, folder: Path) -> None:
         model="Qwen2.5-0.5B shape, random weights",
         dtype="bfloat16",
         num_requests=256,
+        **step_budget(llm),
     )
     del llm
     release()

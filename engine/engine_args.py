@@ -105,7 +105,9 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{derived_len}; lower it or use a model with rope scaling"
             )
-        max_batched = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        max_batched = self.max_num_batched_tokens or max(
+            default_max_num_batched_tokens(runner_type, device), self.max_num_seqs
+        )
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise InvalidParamError(
                 f"max_num_batched_tokens={max_batched} < max_model_len={max_model_len} needs "
@@ -419,6 +421,21 @@ class EngineArgs:
             check_tensor_parallel(hf_config, tp)
         except ValueError as e:
             raise InvalidParamError(str(e)) from e
+
+
+LARGE_GPU_BYTES = 70 * 2**30
+"""GPUs with at least this much memory (H100, H200, ...) get the larger default budget."""
+
+
+def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> int:
+    """The step token budget when none is given: 16384 for generation on a GPU with at least
+    70 GiB (fewer, larger prefill steps: W1 is about 1 % faster on an H200 than at 8192),
+    else 8192."""
+    if runner_type == "generate" and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
+            return 16384
+    return 8192
 
 
 def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:

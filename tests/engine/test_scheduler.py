@@ -653,3 +653,33 @@ def test_prefix_cache_stats_count_a_blocked_request_once():
     assert steps(out) == [("b", list(range(200, 208)), 0, [1, 0], True)]
     # One lookup of a (4 tokens) and one of b (8 tokens), whatever the retries.
     assert sched.kv_cache.prefix_cache_queries == 4 + b.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("runner_type", "device", "gib", "expected"),
+    [
+        ("generate", "cpu", None, 8192),
+        ("generate", "cuda:0", 141, 16384),
+        ("generate", "cuda:0", 70, 16384),
+        ("generate", "cuda:0", 48, 8192),
+        ("pooling", "cuda:0", 141, 8192),
+    ],
+)
+def test_default_step_budget_is_larger_for_generation_on_large_gpus(
+    monkeypatch, runner_type, device, gib, expected
+):
+    import types
+
+    import torch
+
+    from batchlm.engine.engine_args import default_max_num_batched_tokens
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return types.SimpleNamespace(total_memory=gib * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert default_max_num_batched_tokens(runner_type, torch.device(device)) == expected
+    assert asked == ([0] if runner_type == "generate" and device != "cpu" else [])
