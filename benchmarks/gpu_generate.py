@@ -137,10 +137,34 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+_COMPILES = {"total": 0, "last_run": 0}
+
+
+def count_triton_compiles() -> None:
+    """From now on, count Triton's kernel compilations (JIT cache misses: compiled, or
+    loaded from its disk cache), so that each timed run can say how many fell inside it."""
+    import triton
+
+    previous = triton.knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs):
+        _COMPILES["total"] += 1
+        return previous(**kwargs) if previous else False
+
+    triton.knobs.runtime.jit_cache_hook = hook
+
+
+def compiles_in_last_run() -> int:
+    """Triton compilations inside the last `run_batchlm` (0 after a proper warm-up)."""
+    return _COMPILES["last_run"]
+
+
 def run_batchlm(llm: LLM, prompts, params) -> tuple[float, list]:
     llm.reset_prefix_cache()
+    before = _COMPILES["total"]
     with Timer() as t:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _COMPILES["last_run"] = _COMPILES["total"] - before
     return t.seconds, outs
 
 
@@ -205,6 +229,7 @@ def w1(args, rec: Recorder, folder: Path) -> None:
     # decode rows), so that no kernel is compiled inside the timed run.
     run_batchlm(llm, prompts[:32], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
     secs, _ = run_batchlm(llm, prompts, params)
+    compiles = compiles_in_last_run()
     tps = 256 * 256 / secs
     base = 256 * 256 / base_s if base_s else None
     rec.record(
@@ -221,6 +246,7 @@ def w1(args, rec: Recorder, folder: Path) -> None:
         prompt_len=512,
         output_len=256,
         **step_budget(llm),
+        triton_compiles_in_run=compiles,
         **decode_breakdown(llm, prompts, params, LLAMA_8B),
     )
     if base:
@@ -256,6 +282,7 @@ def w3(args, rec: Recorder, folder: Path) -> None:
         metric="ms_per_token",
         value=round(ms, 3),
         seconds=round(secs, 3),
+        triton_compiles_in_run=compiles_in_last_run(),
         baseline_value=round(base_ms, 3) if base_ms else None,
         ratio=round(base_ms / ms, 3) if base_ms else None,
         model="Llama-3.1-8B shape, random weights",
@@ -282,11 +309,12 @@ def w5(args, rec: Recorder, folder: Path) -> None:
         build_random_model(LLAMA_8B, folder)
         release()
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
-    results = {}
+    results, compiles = {}, 0
     for caching in (False, True):
         llm = make_llm(folder, args, max_num_seqs=256, enable_prefix_caching=caching)
         run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
         results[caching], _ = run_batchlm(llm, prompts, params)
+        compiles += compiles_in_last_run()
         budget = step_budget(llm)
         del llm
         release()
@@ -299,6 +327,7 @@ def w5(args, rec: Recorder, folder: Path) -> None:
         own_len=64,
         output_len=64,
         num_requests=256,
+        triton_compiles_in_runs=compiles,
         **budget,
     )
     rec.record(system="batchlm-prefix-caching-off", value=round(tps_off, 1), **common)
@@ -334,8 +363,11 @@ def w2(args, rec: Recorder, folder: Path) -> None:
     # As BENCHMARKS.md gives it: temperature 0.6, no per-request seeds (the engine's seed
     # makes the run reproducible).
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.6) for n in lens_out]
-    run_batchlm(llm, prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+    # Warm-up over every prompt (two tokens each): the timed run's prefill and mixed steps
+    # then compile no kernel variant (the first 4 prompts alone left some to the timed run).
+    run_batchlm(llm, prompts, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.6))
     secs, outs = run_batchlm(llm, prompts, params)
+    compiles = compiles_in_last_run()
     total = sum(len(o.outputs[0].token_ids) for o in outs)
     tps = total / secs
     rec.record(
@@ -350,6 +382,7 @@ def w2(args, rec: Recorder, folder: Path) -> None:
         model="Qwen2.5-0.5B shape, random weights",
         dtype="bfloat16",
         num_requests=256,
+        triton_compiles_in_run=compiles,
         **step_budget(llm),
     )
     del llm
@@ -539,6 +572,7 @@ def main() -> None:
         LLAMA_8B.update(SMOKE)
         QWEN_05B.update(SMOKE)
     rec = Recorder(args.out)
+    count_triton_compiles()
     llama_dir = Path(tempfile.mkdtemp(prefix="bench-llama8b-"))
     qwen_dir = Path(tempfile.mkdtemp(prefix="bench-qwen05b-"))
     for workload in args.workload or ["W1", "W3", "W5", "W2"]:
