@@ -201,6 +201,14 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_blocks.get(rid)
+        if computed is None and blocks is not None:
+            # A running request whose blocks already hold the new tokens (most decode steps):
+            # nothing to allocate, only blocks that become full to register.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:
+                if self.enable_prefix_caching or request.cache_salt is not None:
+                    self._cache_full_blocks(request, num_tokens)
+                return []
         if blocks is None:
             blocks = self.req_blocks[rid] = []
             self.req_block_ids[rid] = []

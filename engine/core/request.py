@@ -82,6 +82,9 @@ class Request:
         """Tokens sampled by scheduled steps that have not reached the host yet: with async
         scheduling, the step in flight's and (once scheduled) the next one's, which reads
         the first from the device (see the scheduler's PLACEHOLDER_TOKEN)."""
+        params = self.sampling_params
+        self.reads_outputs = params.has_penalties or bool(params.bad_words)
+        """Every sampling of this request reads its outputs so far (penalties, bad words)."""
         self.spec_token_ids: list[int] = []
         """Draft tokens for the next step to verify (speculative decoding); not part of
         `all_token_ids` until accepted."""

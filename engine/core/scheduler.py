@@ -153,15 +153,23 @@ class Scheduler:
         preempted: list[str] = []
         blocked = False
 
+        # A request sampled in this step whose next sampling reads its outputs: the step
+        # after it must wait for them.
+        sync_next = False
+        allocate_slots = self.kv_cache.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_pending = request.num_scheduled_tokens + len(request.spec_token_ids)
+            num_pending = (
+                len(request.all_token_ids)
+                + request.num_inflight_tokens
+                + len(request.spec_token_ids)
+            )  # = num_scheduled_tokens + drafts
             num_new = min(num_pending - request.num_computed_tokens, budget)
             if num_new <= 0 or (request.num_inflight_tokens and not self._can_run_ahead(request)):
                 i += 1  # nothing to do until a token is appended
                 continue
-            while self.kv_cache.allocate_slots(request, num_new) is None:
+            while allocate_slots(request, num_new) is None:
                 if ahead:
                     blocked = True
                     break
@@ -171,7 +179,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
+                step = self._scheduled(request, num_new)
+                scheduled.append(step)
+                if step.needs_sample and not sync_next:
+                    sync_next = _samples_from_outputs(request)
                 budget -= num_new
                 i += 1
                 continue
@@ -201,7 +212,10 @@ class Scheduler:
             request.num_computed_tokens = computed.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
+            step = self._scheduled(request, num_new)
+            scheduled.append(step)
+            if step.needs_sample and not sync_next:
+                sync_next = _samples_from_outputs(request)
             budget -= num_new
 
         finished = self.finished_request_ids
@@ -211,8 +225,7 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
-            sync_next=blocked
-            or any(r.needs_sample and _samples_from_outputs(r) for r in scheduled),
+            sync_next=blocked or sync_next,
         )
 
     def _can_run_ahead(self, request: Request) -> bool:
@@ -350,12 +363,7 @@ class Scheduler:
         )
 
 
-def _samples_from_outputs(request: Request | ScheduledRequest) -> bool:
+def _samples_from_outputs(request: Request) -> bool:
     """Whether the request's next sampling reads its outputs so far (penalties, bad words,
     or min_tokens not reached), so they must be known on the host."""
-    params = request.sampling_params
-    return (
-        params.has_penalties
-        or bool(params.bad_words)
-        or len(request.output_token_ids) < params.min_tokens
-    )
+    return request.reads_outputs or len(request.output_token_ids) < request.sampling_params.min_tokens
