@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .request import Request
 
 _ROOT_HASH = 0x6261746368
@@ -138,6 +140,13 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}
+        self.block_table = np.zeros((16, 16), np.int64)
+        """Every request's block ids as a row of one array (`block_row`; zero past its
+        blocks), so that a step's table is one gather of rows rather than a walk over
+        Python ints. Grows (both ways) as needed: a new array, so a step scheduled before
+        keeps reading the one it was given."""
+        self.block_rows: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(15, -1, -1))
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
@@ -155,6 +164,27 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: read, don't modify)."""
         return self.req_block_ids.get(request_id, [])
+
+    def _append_block_ids(self, request_id: str, new_ids: list[int]) -> None:
+        """Extend the request's block table, as a list and in its row of `block_table`."""
+        ids = self.req_block_ids[request_id]
+        start = len(ids)
+        ids.extend(new_ids)
+        row = self.block_rows.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow_table(rows=2 * self.block_table.shape[0])
+            row = self.block_rows[request_id] = self._free_rows.pop()
+        if len(ids) > self.block_table.shape[1]:
+            self._grow_table(cols=max(2 * self.block_table.shape[1], len(ids)))
+        self.block_table[row, start : len(ids)] = new_ids
+
+    def _grow_table(self, rows: int | None = None, cols: int | None = None) -> None:
+        old = self.block_table
+        grown = np.zeros((rows or old.shape[0], cols or old.shape[1]), np.int64)
+        grown[: old.shape[0], : old.shape[1]] = old
+        self._free_rows[:0] = range(grown.shape[0] - 1, old.shape[0] - 1, -1)
+        self.block_table = grown
 
     def _update_block_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -232,12 +262,12 @@ class KVCacheManager:
         if hit_blocks:
             self.pool.touch(hit_blocks)
             blocks.extend(hit_blocks)
-            self.req_block_ids[rid].extend(b.block_id for b in hit_blocks)
+            self._append_block_ids(rid, [b.block_id for b in hit_blocks])
             self.num_cached_blocks[rid] = len(blocks)
         new_blocks = self.pool.allocate(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
-        self.req_block_ids[rid].extend(new_ids)
+        self._append_block_ids(rid, new_ids)
         if self._caches(request):
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_ids
@@ -284,7 +314,14 @@ class KVCacheManager:
 
     def _forget(self, request_id: str) -> None:
         self.req_blocks.pop(request_id, None)
-        self.req_block_ids.pop(request_id, None)
+        ids = self.req_block_ids.pop(request_id, None)
+        row = self.block_rows.pop(request_id, None)
+        if row is not None:
+            if ids:
+                # A new array when the next step reuses the row would cost more; the rows of
+                # a step already launched were gathered when it was prepared.
+                self.block_table[row, : len(ids)] = 0
+            self._free_rows.append(row)
         self.num_cached_blocks.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:

@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..config import SchedulerConfig
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
@@ -55,6 +57,8 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify (speculative decoding): the tail of `token_ids`, after the
     request's last token. The step computes their positions too and samples at each."""
+    block_row: int = -1
+    """The request's row in its step's `SchedulerOutput.block_table` (-1: none given)."""
 
 
 @dataclass
@@ -66,6 +70,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished since the last step: the runner drops their state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    block_table: np.ndarray | None = None
+    """The KV cache manager's table of block ids, one row per request (`block_row`) with
+    zeros past its blocks, as of this step; None when the step was made by hand."""
     sync_next: bool = False
     """The next step must be scheduled with this one's outputs known: scheduled ahead, a
     running request could not grow (the KV cache is full, and only a step scheduled with
@@ -225,6 +232,7 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            block_table=self.kv_cache.block_table,
             sync_next=blocked or sync_next,
         )
 
@@ -263,6 +271,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             eos_token_id=request.eos_token_id,
             spec_token_ids=spec,
+            block_row=self.kv_cache.block_rows.get(request.request_id, -1),
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:

@@ -397,7 +397,7 @@ class ModelRunner:
         if out.is_empty:
             return PendingOutput.ready(ModelRunnerOutput())
         reqs = out.scheduled
-        inputs, prompt_jobs = self._prepare_inputs(reqs)
+        inputs, prompt_jobs = self._prepare_inputs(reqs, out.block_table)
         if self.step_listener is not None:
             self.step_listener(inputs)
         hidden = self._forward(inputs)
@@ -461,9 +461,10 @@ class ModelRunner:
                 self._last_samples = _Samples(self.tp.broadcast(ids), {})
 
     def _prepare_inputs(
-        self, reqs: list[ScheduledRequest]
+        self, reqs: list[ScheduledRequest], table: np.ndarray | None = None
     ) -> tuple[StepInputs, list[_PromptLogprobsJob]]:
-        """Lay the step out as host arrays."""
+        """Lay the step out as host arrays; the block tables are rows of `table` (the
+        scheduler's, rows `block_row`, zeros past each request's blocks) when given."""
         num_seqs = len(reqs)
         query_lens = np.fromiter((len(r.token_ids) for r in reqs), np.int64, num_seqs)
         starts = np.fromiter((r.start_pos for r in reqs), np.int64, num_seqs)
@@ -478,12 +479,22 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens) - qsl[seq_of_token] + starts[seq_of_token]
         num_blocks = np.fromiter((len(r.block_ids) for r in reqs), np.int64, num_seqs)
-        block_ids = np.fromiter(
-            itertools.chain.from_iterable(r.block_ids for r in reqs), np.int64, num_blocks.sum()
+        rows = (
+            np.fromiter((r.block_row for r in reqs), np.int64, num_seqs)
+            if table is not None
+            else None
         )
-        block_tables = np.zeros((num_seqs, num_blocks.max()), np.int64)
-        # Row-major boolean assignment: each row's leading entries, in request order.
-        block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = block_ids
+        if rows is not None and rows.min() >= 0:
+            block_tables = table[rows, : num_blocks.max()]
+        else:
+            block_ids = np.fromiter(
+                itertools.chain.from_iterable(r.block_ids for r in reqs),
+                np.int64,
+                num_blocks.sum(),
+            )
+            block_tables = np.zeros((num_seqs, num_blocks.max()), np.int64)
+            # Row-major boolean assignment: each row's leading entries, in request order.
+            block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = block_ids
         slot_mapping = (
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size

@@ -433,3 +433,45 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use():
     assert manager.pool.cached == {}
     assert all(block.block_hash is None for block in manager.pool.blocks)
     assert manager.get_computed_blocks(make_request("b", prompt)).blocks == []
+
+
+def table_rows(manager: KVCacheManager) -> dict[str, list[int]]:
+    """Each request's row of the manager's block table, trimmed of trailing zeros past its
+    blocks (which must all be zero)."""
+    rows = {}
+    for rid, row in manager.block_rows.items():
+        n = len(manager.block_ids(rid))
+        assert not manager.block_table[row, n:].any(), f"{rid}: stale ids past its blocks"
+        rows[rid] = manager.block_table[row, :n].tolist()
+    return rows
+
+
+def test_block_table_rows_follow_block_ids_through_growth_hits_and_reuse():
+    manager = make_manager(200)
+    requests = {}
+    # 20 requests (more rows than the table starts with), the first of 80 tokens (more
+    # blocks than it starts with), two sharing a cached prefix.
+    for i in range(20):
+        tokens = range(80) if i == 0 else [1000 + i] * 8 + list(range(i, i + 4))
+        requests[f"r{i}"] = make_request(f"r{i}", tokens)
+        prefill(manager, requests[f"r{i}"])
+    shared = make_request("shared", range(80))
+    hit = prefill(manager, shared)
+    assert manager.block_ids("shared")[:19] == manager.block_ids("r0")[:19]
+    assert hit == manager.block_ids("shared")[19:]
+    assert manager.block_table.shape[0] >= 21 and manager.block_table.shape[1] >= 20
+    assert table_rows(manager) == {rid: manager.block_ids(rid) for rid in manager.block_rows}
+    # Decode steps that cross block boundaries append to the rows.
+    for step in range(6):
+        for request in requests.values():
+            assert decode(manager, request, 7) is not None
+    assert table_rows(manager) == {rid: manager.block_ids(rid) for rid in manager.block_rows}
+    # A finished request's row is cleared and handed to the next request.
+    row = manager.block_rows["r0"]
+    manager.free(requests["r0"])
+    assert "r0" not in manager.block_rows
+    assert not manager.block_table[row].any()
+    late = make_request("late", [5] * 6)
+    prefill(manager, late)
+    assert manager.block_rows["late"] == row
+    assert table_rows(manager)["late"] == manager.block_ids("late")

@@ -57,8 +57,13 @@ def add(
 def steps(out: SchedulerOutput) -> list[tuple[str, list[int], int, list[int], bool]]:
     """(request_id, token_ids, start_pos, block_ids, needs_sample) per scheduled request.
 
-    block_ids is the live block table: copy it now, before a later step grows it.
+    block_ids is the live block table: copy it now, before a later step grows it. Each
+    request's row of the step's `block_table` must hold the same ids, then zeros.
     """
+    for s in out.scheduled:
+        row = out.block_table[s.block_row].tolist()
+        assert s.block_row >= 0
+        assert row == list(s.block_ids) + [0] * (len(row) - len(s.block_ids)), s.request_id
     return [
         (s.request_id, list(s.token_ids), s.start_pos, list(s.block_ids), s.needs_sample)
         for s in out.scheduled
