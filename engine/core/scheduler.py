@@ -173,7 +173,8 @@ class Scheduler:
                 + len(request.spec_token_ids)
             )  # = num_scheduled_tokens + drafts
             num_new = min(num_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or (request.num_inflight_tokens and not self._can_run_ahead(request)):
+            in_flight = request.num_inflight_tokens
+            if num_new <= 0 or (in_flight and not self._can_run_ahead(request)):
                 i += 1  # nothing to do until a token is appended
                 continue
             while allocate_slots(request, num_new) is None:
@@ -188,7 +189,8 @@ class Scheduler:
             else:
                 step = self._scheduled(request, num_new)
                 scheduled.append(step)
-                if step.needs_sample and not sync_next:
+                # (One with a token in flight passed _can_run_ahead: it reads no outputs.)
+                if step.needs_sample and not sync_next and not in_flight:
                     sync_next = _samples_from_outputs(request)
                 budget -= num_new
                 i += 1
