@@ -214,7 +214,9 @@ def make_llm(folder: Path, args, **kwargs) -> LLM:
 def step_budget(llm: LLM) -> dict:
     """The engine's per-step limits (defaults depend on the device), for the record."""
     sched = llm.llm_engine.config.scheduler
-    return dict(max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs)
+    return dict(
+        max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs
+    )
 
 
 def w1(args, rec: Recorder, folder: Path) -> None:

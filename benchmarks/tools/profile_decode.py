@@ -19,8 +19,9 @@ W1-prefill: W1's prompts with one output token each: the prefill phase alone (st
     max_num_batched_tokens prompt tokens), wall against GPU busy, its top kernels.
 W1-run: the whole of W1 (256 x 512-token prompts, 256 greedy tokens each) step by step under
     the profiler: wall against GPU busy over the run, the device's idle gaps (how many, how
-    long, the largest), and the host's time per step call by phase (steps with prompt
-    tokens, then pure decode).
+    long, the largest with the activities either side, grouped by those), the Triton
+    kernel variants compiled and the garbage collector's passes inside the run, and the
+    host's time per step call by phase (steps with prompt tokens, then pure decode).
 W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-steps decode
     steps with all 256 running after the last prefill chunk (chunked prefill interleaves the
     first requests' decodes with the later prompts, so those steps come late).
@@ -32,10 +33,8 @@ W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
-import itertools
 import json
 import pstats
 import shutil
@@ -143,11 +142,7 @@ def device_events(prof) -> list:
     """The profiled device activities (kernels, copies, sets); on CPU, the CPU ops."""
     events = list(prof.events())
     cuda = [e for e in events if e.device_type == DeviceType.CUDA]
-    return cuda or [
-        e
-        for e in events
-        if e.device_type == DeviceType.CPU and not e.name.startswith(("host:", "gc:"))
-    ]
+    return cuda or [e for e in events if e.device_type == DeviceType.CPU]
 
 
 def merged_spans(events) -> list[tuple[float, float]]:
@@ -313,70 +308,18 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
     ]
 
 
-def idle_gaps(events) -> list[tuple[float, float, str, str]]:
-    """The device's idle intervals between the first and the last activity: (µs, when it
-    starts, the activity that ended last before it, the one that ends it)."""
+def idle_gaps(events) -> list[tuple[float, str, str]]:
+    """The device's idle intervals between the first and the last activity: (µs, the
+    activity that ended last before it, the one that ends it)."""
     gaps = []
     end, last = None, ""
     for e in sorted(events, key=lambda e: e.time_range.start):
         start, stop = e.time_range.start, e.time_range.end
         if end is not None and start > end:
-            gaps.append((start - end, end, last, e.name))
+            gaps.append((start - end, last, e.name))
         if end is None or stop >= end:
             end, last = stop, e.name
     return gaps
-
-
-HOST_PHASES = {
-    "schedule": ("batchlm.engine.core.scheduler", "Scheduler", "schedule"),
-    "launch": ("batchlm.engine.worker.model_runner", "ModelRunner", "launch_model"),
-    "wait": ("batchlm.engine.worker.model_runner", "PendingOutput", "result"),
-    "process": ("batchlm.engine.llm_engine", "LLMEngine", "_process"),
-}
-
-
-@contextlib.contextmanager
-def host_phases_annotated():
-    """Name the engine's host phases in the profiler's CPU timeline (`host:schedule`,
-    `host:launch`, `host:wait`, `host:process`) and the collector's passes (`gc:N`), for
-    the whole `with` block."""
-    import gc
-    import importlib
-
-    from torch.profiler import record_function
-
-    patched = []
-    for phase, (module, cls_name, attr) in HOST_PHASES.items():
-        cls = getattr(importlib.import_module(module), cls_name)
-        original = getattr(cls, attr)
-
-        def wrapped(*args, _original=original, _label=f"host:{phase}", **kwargs):
-            with record_function(_label):
-                return _original(*args, **kwargs)
-
-        setattr(cls, attr, wrapped)
-        patched.append((cls, attr, original))
-    open_passes: list = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            open_passes.append(record_function(f"gc:{info['generation']}").__enter__())
-        elif open_passes:
-            open_passes.pop().__exit__(None, None, None)
-
-    gc.callbacks.append(on_gc)
-    try:
-        yield
-    finally:
-        gc.callbacks.remove(on_gc)
-        for cls, attr, original in patched:
-            setattr(cls, attr, original)
-
-
-def host_ranges_at(ranges: list[tuple[float, float, str]], t: float) -> str:
-    """The annotated host ranges that contain time `t`, outermost first."""
-    inside = [name for start, end, name in ranges if start <= t <= end]
-    return " > ".join(inside) or "-"
 
 
 class RunLog:
@@ -445,14 +388,9 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{name}-{i}", prompt, params)
     host_ms: dict[str, list[float]] = {"prompt": [], "decode": []}
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
     # As in LLM.generate: the objects made before the run stay out of full collections.
-    with (
-        host_phases_annotated(),
-        profile(activities=activities) as prof,
-        gc_heap_frozen(),
-        RunLog() as log,
-    ):
+    with profile(activities=activities) as prof, gc_heap_frozen(), RunLog() as log:
         synchronize()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -463,16 +401,10 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
             host_ms[phase].append((time.perf_counter() - t) * 1e3)
         synchronize()
         wall = time.perf_counter() - start
-    all_events = list(prof.events())
     events = device_events(prof)
-    host_ranges = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in all_events
-        if e.device_type == DeviceType.CPU and e.name.startswith(("host:", "gc:"))
-    )
     busy = busy_us(events) / 1e6
     named_gaps = sorted(idle_gaps(events), reverse=True)
-    gaps = [g for g, _, _, _ in named_gaps]
+    gaps = [g for g, _, _ in named_gaps]
     tokens = len(prompts) * max_tokens
     lines = [
         f"== {name}: {len(prompts)} prompts, {max_tokens} output tokens each; "
@@ -486,28 +418,17 @@ def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
         inside = [g for g in gaps if low <= g < high]
         lines.append(f"  {low:>5}..{high:<5} us: {len(inside):7d} gaps, "
                      f"{sum(inside) / 1e3:9.1f} ms")  # fmt: skip
-    lines.append(
-        "  largest (us): the activities either side; the host's annotated phases when the "
-        "device went idle, and when it resumed"
-    )
-    for g, t, before, after in named_gaps[:12]:
-        lines.append(f"  {g:8.0f}  {before[:50]}  ->  {after[:50]}")
-        lines.append(
-            f"            host: {host_ranges_at(host_ranges, t)}  ->  "
-            f"{host_ranges_at(host_ranges, t + g)}"
-        )
+    lines.append("  largest (us), with the activities either side:")
+    lines += [
+        f"  {g:8.0f}  {before[:50]}  ->  {after[:50]}" for g, before, after in named_gaps[:12]
+    ]
     pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
-    phases: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for g, t, before, after in named_gaps:
+    for g, before, after in named_gaps:
         if g >= 100:
             pairs[before[:50], after[:50]].append(g)
-            phases[host_ranges_at(host_ranges, t), host_ranges_at(host_ranges, t + g)].append(g)
-    for title, groups in (("activities either side", pairs), ("host phases", phases)):
-        lines.append(f"  gaps of 100 us or more by {title} (start -> end):")
-        for (first, second), values in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:10]:
-            lines.append(
-                f"  {len(values):5d} gaps, {sum(values) / 1e3:7.1f} ms: {first} -> {second}"
-            )
+    lines.append("  gaps of 100 us or more by the activities either side:")
+    for (before, after), values in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        lines.append(f"  {len(values):5d} gaps, {sum(values) / 1e3:7.1f} ms: {before} -> {after}")
     lines += log.lines()
     for phase, values in host_ms.items():
         if values:

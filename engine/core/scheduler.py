@@ -377,4 +377,6 @@ class Scheduler:
 def _samples_from_outputs(request: Request) -> bool:
     """Whether the request's next sampling reads its outputs so far (penalties, bad words,
     or min_tokens not reached), so they must be known on the host."""
-    return request.reads_outputs or len(request.output_token_ids) < request.sampling_params.min_tokens
+    return (
+        request.reads_outputs or len(request.output_token_ids) < request.sampling_params.min_tokens
+    )

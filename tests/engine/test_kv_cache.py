@@ -462,7 +462,7 @@ def test_block_table_rows_follow_block_ids_through_growth_hits_and_reuse():
     assert manager.block_table.shape[0] >= 21 and manager.block_table.shape[1] >= 20
     assert table_rows(manager) == {rid: manager.block_ids(rid) for rid in manager.block_rows}
     # Decode steps that cross block boundaries append to the rows.
-    for step in range(6):
+    for _ in range(6):
         for request in requests.values():
             assert decode(manager, request, 7) is not None
     assert table_rows(manager) == {rid: manager.block_ids(rid) for rid in manager.block_rows}
