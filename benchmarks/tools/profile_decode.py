@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import shutil
@@ -145,20 +146,23 @@ def device_events(prof) -> list:
     return cuda or [e for e in events if e.device_type == DeviceType.CPU]
 
 
-def merged_spans(events) -> list[tuple[float, float]]:
-    """The events' time ranges (µs) merged where they overlap or nest, in order."""
-    merged: list[list[float]] = []
-    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
+def merged_spans(events) -> list[tuple[float, float, str, str]]:
+    """The events' time ranges (µs) merged where they overlap or nest, in order: (start,
+    end, the name of the event that starts the span, of the one that ends it)."""
+    merged: list[list] = []
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if merged and start <= merged[-1][1]:
+            if end >= merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, e.name
         else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
+            merged.append([start, end, e.name, e.name])
+    return [tuple(span) for span in merged]
 
 
 def busy_us(events) -> float:
     """Microseconds covered by at least one event (overlaps and nesting counted once)."""
-    return sum(e - s for s, e in merged_spans(events))
+    return sum(end - start for start, end, _, _ in merged_spans(events))
 
 
 def kernel_table(
@@ -311,15 +315,8 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
 def idle_gaps(events) -> list[tuple[float, str, str]]:
     """The device's idle intervals between the first and the last activity: (µs, the
     activity that ended last before it, the one that ends it)."""
-    gaps = []
-    end, last = None, ""
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        start, stop = e.time_range.start, e.time_range.end
-        if end is not None and start > end:
-            gaps.append((start - end, last, e.name))
-        if end is None or stop >= end:
-            end, last = stop, e.name
-    return gaps
+    spans = merged_spans(events)
+    return [(nxt[0] - prev[1], prev[3], nxt[2]) for prev, nxt in itertools.pairwise(spans)]
 
 
 class RunLog:
