@@ -236,10 +236,7 @@ class KVCacheManager:
             # nothing to allocate, only blocks that become full to register.
             num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens <= len(blocks) * self.block_size:
-                if (self.enable_prefix_caching or request.cache_salt is not None) and (
-                    min(num_tokens, len(request.all_token_ids)) // self.block_size
-                    > self.num_cached_blocks[rid]
-                ):
+                if self._caches(request):
                     self._cache_full_blocks(request, num_tokens)
                 return []
         if blocks is None:

@@ -163,21 +163,16 @@ class Scheduler:
         # A request sampled in this step whose next sampling reads its outputs: the step
         # after it must wait for them.
         sync_next = False
-        allocate_slots = self.kv_cache.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_pending = (
-                len(request.all_token_ids)
-                + request.num_inflight_tokens
-                + len(request.spec_token_ids)
-            )  # = num_scheduled_tokens + drafts
+            num_pending = request.num_scheduled_tokens + len(request.spec_token_ids)
             num_new = min(num_pending - request.num_computed_tokens, budget)
             in_flight = request.num_inflight_tokens
             if num_new <= 0 or (in_flight and not self._can_run_ahead(request)):
                 i += 1  # nothing to do until a token is appended
                 continue
-            while allocate_slots(request, num_new) is None:
+            while self.kv_cache.allocate_slots(request, num_new) is None:
                 if ahead:
                     blocked = True
                     break
