@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         sliding_window: int | None,
         tp: TPGroup | None = None,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         tp_size = tp.world_size if tp is not None else 1
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = kv_heads_of(config) * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias, tp)
-        self.o_proj = row_parallel_linear(q_size, config.hidden_size, o_bias, tp)
+        self.o_proj = row_parallel_linear(q_size, config.hidden_size, o_bias, tp, reduce_output)
         self.rotary = rotary
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -103,24 +104,42 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool = False, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        reduce_output: bool = True,
+    ) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, tp)
-        self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, tp)
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, tp, reduce_output)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: LlamaAttention, mlp: LlamaMLP, config: Any) -> None:
+    """One decoder layer. With `sum_over` (a tensor-parallel group), the attention and MLP
+    return their ranks' partial sums and the norm after each sums them (see
+    `RMSNorm.sum_over`): the layer's output is then a partial sum too, which the next
+    layer's input norm, or the model's final norm, sums."""
+
+    def __init__(
+        self,
+        self_attn: LlamaAttention,
+        mlp: LlamaMLP,
+        config: Any,
+        sum_over: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, sum_over)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, sum_over)
 
     def forward(
         self,
@@ -142,12 +161,17 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, layers: list[LlamaDecoderLayer], tp: TPGroup | None = None
+        self,
+        config: Any,
+        layers: list[LlamaDecoderLayer],
+        tp: TPGroup | None = None,
+        sum_over: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # With `sum_over`, the last layer's output is a partial sum (see LlamaDecoderLayer).
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, sum_over)
 
     def forward(
         self,
@@ -197,6 +221,11 @@ class LlamaForCausalLM(CausalLM):
         rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
+        # Under tensor parallelism the norms sum the row-parallel outputs (one kernel with
+        # the all-reduce); a bias would have to be added after that sum, so biased layers
+        # reduce their own outputs.
+        sum_over = tp if self.tp_size > 1 and not attention_bias and not mlp_bias else None
+        reduce_output = sum_over is None
         layers = []
         for i in range(config.num_hidden_layers):
             attn = LlamaAttention(
@@ -208,9 +237,11 @@ class LlamaForCausalLM(CausalLM):
                 qk_norm=self.qk_norm,
                 sliding_window=self.sliding_window_of(config, i),
                 tp=tp,
+                reduce_output=reduce_output,
             )
-            layers.append(LlamaDecoderLayer(attn, LlamaMLP(config, mlp_bias, tp), config))
-        self.model = LlamaModel(config, layers, tp)
+            mlp = LlamaMLP(config, mlp_bias, tp, reduce_output)
+            layers.append(LlamaDecoderLayer(attn, mlp, config, sum_over))
+        self.model = LlamaModel(config, layers, tp, sum_over)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 

@@ -43,6 +43,17 @@ class TPGroup:
         dist.all_reduce(x, group=self.process_group)
         return x
 
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RMSNorm of `sum over ranks of x + residual`, and that sum, in one peer-memory
+        kernel; None where the peer path does not take `x` (the caller then sums with
+        `all_reduce` and normalises on its own)."""
+        peer = self.peer_all_reduce
+        if peer is not None and peer.fits_norm(x):
+            return tuple(peer.add_rms_norm(x, residual, weight, eps))
+        return None
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., n]` on every rank → `[..., world_size * n]`, rank order."""
         x = x.contiguous()

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from batchlm.kernels.all_reduce import DTYPES, GRID, one_shot_all_reduce
+from batchlm.kernels.all_reduce import (
+    DTYPES,
+    GRID,
+    MAX_NORM_HIDDEN,
+    one_shot_all_reduce,
+    one_shot_all_reduce_rms_norm,
+)
+from batchlm.kernels.rms_norm import RMSNormOutput
 
 MAX_BYTES = 512 * 1024
 """Largest tensor (bytes) reduced through peer memory; larger ones go to NCCL."""
@@ -141,6 +148,33 @@ class PeerAllReduce:
             return x.copy_(self(x.contiguous()))
         return one_shot_all_reduce(
             x,
+            self.rank,
+            self.data_addrs,
+            self.flag_addrs,
+            self.epochs,
+            self.errors,
+            self.abort,
+            self.max_bytes // x.element_size(),
+        )
+
+    def fits_norm(self, x: torch.Tensor) -> bool:
+        """Whether `add_rms_norm` takes `x` (device, dtype and shape decide, as in `fits`)."""
+        return (
+            x.is_floating_point()
+            and self.fits(x)
+            and x.dim() >= 1
+            and 0 < x.shape[-1] <= MAX_NORM_HIDDEN
+        )
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> RMSNormOutput:
+        """RMSNorm of `sum over ranks of x + residual`, with that sum: one kernel."""
+        return one_shot_all_reduce_rms_norm(
+            x.contiguous(),
+            residual,
+            weight,
+            eps,
             self.rank,
             self.data_addrs,
             self.flag_addrs,

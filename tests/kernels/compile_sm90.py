@@ -180,13 +180,19 @@ def record_all_launches() -> list[_Launch]:
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
         quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
     launches += got
+    i32 = torch.int32
+    exchange = (torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                torch.zeros(all_reduce.GRID, dtype=i32), torch.zeros(1, dtype=i32),
+                torch.zeros(1, dtype=i32), 65536)  # fmt: skip
     with recording(all_reduce, "_one_shot_all_reduce_kernel") as got:
-        i32 = torch.int32
         for dtype in (bf16, f32, torch.long):
-            all_reduce.one_shot_all_reduce(
-                torch.zeros(4096, dtype=dtype), 1, torch.zeros(2, dtype=torch.long),
-                torch.zeros(2, dtype=torch.long), torch.zeros(all_reduce.GRID, dtype=i32),
-                torch.zeros(1, dtype=i32), torch.zeros(1, dtype=i32), 65536,
+            all_reduce.one_shot_all_reduce(torch.zeros(4096, dtype=dtype), 1, *exchange)
+    launches += got
+    with recording(all_reduce, "_one_shot_all_reduce_rms_norm_kernel") as got:
+        for rows, hidden, dtype in [(1, 4096, bf16), (8, 4096, bf16), (3, 896, f32)]:
+            all_reduce.one_shot_all_reduce_rms_norm(
+                torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, hidden, dtype=dtype),
+                torch.zeros(hidden, dtype=dtype), 1e-6, 1, *exchange,
             )  # fmt: skip
     launches += got
     return launches

@@ -1,6 +1,7 @@
-"""The peer-memory all-reduce kernel's protocol: two ranks in two processes sharing memory
-(on CPU, Triton's interpreter over shared-memory tensors), every call's sum against the
-float32 rank-order reference, and the ways a program gives up on a peer that never comes."""
+"""The peer-memory all-reduce kernels' protocol: two ranks in two processes sharing memory
+(on CPU, Triton's interpreter over shared-memory tensors), every call's sum (and, for the
+kernel with the RMSNorm, every normalised row and residual) against the float32 rank-order
+reference, and the ways a program gives up on a peer that never comes."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import pytest
 import torch
 import torch.multiprocessing as multiprocessing
 
-from batchlm.kernels.all_reduce import GRID, all_reduce_ref, one_shot_all_reduce
+from batchlm.kernels.all_reduce import (
+    GRID,
+    all_reduce_ref,
+    all_reduce_rms_norm_ref,
+    one_shot_all_reduce,
+    one_shot_all_reduce_rms_norm,
+)
+from batchlm.kernels.rms_norm import fused_add_rms_norm
 
-from .helpers import ON_GPU
+from .helpers import ELEMENTWISE_TOLERANCE, ON_GPU, assert_close
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU protocol test; on GPUs the TP tests run it")
 
@@ -84,6 +92,90 @@ def test_two_ranks_get_the_rank_order_sum_of_every_call():
     assert epochs0.tolist() == epochs1 == [len(CALLS)] * GRID
 
 
+# A decode step's mix: norm calls (rows, hidden) between plain sums, over the same buffers.
+# 20 rows: some programs own two; 1 row: one program works and the others only signal.
+MIXED = [("norm", (1, 64), torch.float16), ("sum", (4096,), torch.float16),
+         ("norm", (20, 64), torch.bfloat16), ("norm", (3, 96), torch.float32),
+         ("sum", (7,), torch.int64), ("norm", (2, 4, 64), torch.float16)]  # fmt: skip
+EPS = 1e-5
+
+
+def mixed_inputs(rank: int):
+    """This rank's parts, and the residual and weight that every rank shares."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    shared = torch.Generator().manual_seed(300)
+    calls = []
+    for kind, shape, dtype in MIXED:
+        if dtype == torch.int64:
+            calls.append((torch.randint(-(2**40), 2**40, shape, generator=gen), None, None))
+            continue
+        part = (torch.randn(shape, generator=gen) * 4).to(dtype)
+        residual = torch.randn(shape, generator=shared).to(dtype)
+        weight = torch.randn(shape[-1], generator=shared).to(dtype)
+        calls.append((part, residual, weight) if kind == "norm" else (part, None, None))
+    return calls
+
+
+def run_mixed_rank(rank: int, ranks: Ranks):
+    data_addrs, flag_addrs, epochs, errors, abort = ranks.state()
+    outs = []
+    for part, residual, weight in mixed_inputs(rank):
+        slot = SLOT * 4 // part.element_size()
+        state = (rank, data_addrs, flag_addrs, epochs, errors, abort, slot)
+        if residual is None:
+            outs.append((one_shot_all_reduce(part, *state),))
+        else:
+            before = part.clone()
+            got = one_shot_all_reduce_rms_norm(part, residual, weight, EPS, *state)
+            assert torch.equal(part, before)  # the part is left as it was
+            outs.append(tuple(got))
+    return outs, epochs, errors
+
+
+def _mixed_rank_one(ranks: Ranks, queue) -> None:
+    outs, epochs, errors = run_mixed_rank(1, ranks)
+    queue.put(([[t.tolist() for t in o] for o in outs], epochs.tolist(), errors.item()))
+
+
+def test_norm_calls_between_sums_give_the_sum_then_the_norm():
+    ranks = Ranks()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    peer = ctx.Process(target=_mixed_rank_one, args=(ranks, queue))
+    peer.start()
+    try:
+        outs0, epochs0, errors0 = run_mixed_rank(0, ranks)
+        outs1, epochs1, errors1 = queue.get(timeout=300)
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+    assert errors0.item() == errors1 == 0
+    assert epochs0.tolist() == epochs1 == [len(MIXED)] * GRID
+    for i, (a, b) in enumerate(zip(mixed_inputs(0), mixed_inputs(1), strict=True)):
+        (part0, residual, weight), (part1, _, _) = a, b
+        dtype = MIXED[i][2]
+        got1 = [torch.tensor(t, dtype=dtype) for t in outs1[i]]
+        total = all_reduce_ref([part0, part1])
+        if residual is None:
+            expected = (total,)
+        else:
+            # Bit for bit what the sum followed by the fused add + norm kernel gives ...
+            expected = tuple(fused_add_rms_norm(total, residual, weight, EPS))
+            # ... which is the PyTorch reference up to the norm's rounding.
+            ref = all_reduce_rms_norm_ref([part0, part1], residual, weight, EPS)
+            assert_close(outs0[i][0], ref.out, ELEMENTWISE_TOLERANCE)
+            assert_close(outs0[i][1], ref.residual, ELEMENTWISE_TOLERANCE)
+        for got0, got, want in zip(outs0[i], got1, expected, strict=True):
+            assert torch.equal(got, got0.view(got.shape)), MIXED[i]  # every rank alike
+            if dtype == torch.bfloat16:
+                # The interpreter rounds float32 to bfloat16 its own way where PyTorch
+                # rounds to nearest; on GPUs the TP tests compare whole generations.
+                assert_close(got0, want, ELEMENTWISE_TOLERANCE)
+            else:
+                assert torch.equal(got0, want), MIXED[i]
+
+
 @pytest.mark.parametrize("how", ["abort", "max_spins"])
 def test_a_peer_that_never_comes_is_given_up_on(how):
     ranks = Ranks()  # alive while its addresses are used
@@ -110,3 +202,17 @@ def test_launcher_names_bad_arguments():
     with pytest.raises(ValueError, match="epochs"):
         one_shot_all_reduce(torch.ones(8), 0, data_addrs, flag_addrs, epochs[:3], errors, abort,
                             SLOT)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size 32768"):
+        one_shot_all_reduce_rms_norm(torch.ones(1, 32768), torch.ones(1, 32768),
+                                     torch.ones(32768), EPS, 0, data_addrs, flag_addrs, epochs,
+                                     errors, abort, 1 << 16)  # fmt: skip
+    with pytest.raises(ValueError, match="residual has shape"):
+        one_shot_all_reduce_rms_norm(torch.ones(2, 64), torch.ones(1, 64), torch.ones(64), EPS,
+                                     0, data_addrs, flag_addrs, epochs, errors, abort, SLOT)  # fmt: skip
+    with pytest.raises(ValueError, match="eps=0"):
+        one_shot_all_reduce_rms_norm(torch.ones(2, 64), torch.ones(2, 64), torch.ones(64), 0.0,
+                                     0, data_addrs, flag_addrs, epochs, errors, abort, SLOT)  # fmt: skip
+    with pytest.raises(ValueError, match="peer buffers hold"):
+        one_shot_all_reduce_rms_norm(torch.ones(SLOT + 64), torch.ones(SLOT + 64),
+                                     torch.ones(SLOT + 64), EPS, 0, data_addrs, flag_addrs,
+                                     epochs, errors, abort, SLOT)  # fmt: skip

@@ -34,11 +34,15 @@ if TYPE_CHECKING:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear`, or for one half-precision row on CUDA (a decode step at batch 1) the
     Triton matrix-vector kernel, which reads the weight faster than cuBLAS there."""
-    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x):
+    if _takes_gemv(x):
         from batchlm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _takes_gemv(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x)
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
@@ -66,6 +70,16 @@ class Linear(nn.Linear):
             return linear(x, self.weight, self.bias)
         out = self.quant_method.apply(self, x)
         return out if self.bias is None else out + self.bias
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """`self(act(gate_up))` where `act` is the SiLU-and-mul of `gate_up = [gate | up]`;
+        for one half-precision row on CUDA the matrix-vector kernel applies it to the
+        input as it reads it (one kernel, the same result)."""
+        if self.quant_method is None and _takes_gemv(gate_up):
+            from batchlm.kernels.gemv import gemv
+
+            return gemv(gate_up, self.weight, self.bias, gated=True)
+        return self(act(gate_up))
 
 
 class MergedLinear(Linear):
@@ -115,15 +129,40 @@ class RowParallelLinear(Linear):
         out_features: Output width.
         bias: Whether the layer has a bias.
         tp: The tensor-parallel group.
+        reduce_output: False: return this rank's partial sum and leave the all-reduce to
+            the consumer (an `RMSNorm` with `sum_over`); bias-free layers only.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        reduce_output: bool = True,
+    ) -> None:
+        if bias and not reduce_output:
+            raise ValueError("a row-parallel layer with a bias must reduce its own output")
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         super().__init__(_divide(in_features, tp.world_size, "input size"), out_features, bias)
         self.tp = tp
+        self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] → [n, out]
-        out = self.tp.all_reduce(self.matmul(x))
+        return self._sum(self.matmul(x))
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        if self.quant_method is None and _takes_gemv(gate_up):
+            from batchlm.kernels.gemv import gemv
+
+            return self._sum(gemv(gate_up, self.weight, gated=True))
+        return self(act(gate_up))
+
+    def _sum(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product → the layer's output (or left partial, see Args)."""
+        if not self.reduce_output:
+            return out
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
@@ -186,11 +225,16 @@ def _is_parallel(tp: TPGroup | None) -> bool:
 
 
 def row_parallel_linear(
-    in_features: int, out_features: int, bias: bool, tp: TPGroup | None
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    tp: TPGroup | None,
+    reduce_output: bool = True,
 ) -> Linear:
-    """A row-parallel layer, or a plain `Linear` on one rank."""
+    """A row-parallel layer (see `RowParallelLinear` for `reduce_output`), or a plain
+    `Linear` on one rank."""
     if _is_parallel(tp):
-        return RowParallelLinear(in_features, out_features, bias, tp)
+        return RowParallelLinear(in_features, out_features, bias, tp, reduce_output)
     return Linear(in_features, out_features, bias=bias)
 
 

@@ -1,25 +1,48 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (a Triton kernel on CUDA)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (a Triton kernel on CUDA)
+and, under tensor parallelism, with the all-reduce before that."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from batchlm.kernels import use_triton_kernels
 
+if TYPE_CHECKING:
+    from ...worker.parallel import TPGroup
+
 
 class RMSNorm(nn.Module):
-    """`x / rms(x) * weight`, computed in float32 like the reference implementations."""
+    """`x / rms(x) * weight`, computed in float32 like the reference implementations.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    Args:
+        hidden_size: Width of the normalised dimension.
+        eps: Added to the mean square before the square root.
+        sum_over: A tensor-parallel group whose ranks each pass a partial sum as `x`
+            whenever a residual comes with it (the output of a row-parallel layer that left
+            its all-reduce to the norm): `x` is summed over the ranks first, in one kernel
+            with the add and the norm where the peer-memory all-reduce takes it.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, sum_over: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.sum_over = sum_over
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x` (or `x + residual`, also returning that sum as the new residual)."""
+        if self.sum_over is not None and residual is not None:
+            fused = self.sum_over.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = self.sum_over.all_reduce(x)
         if use_triton_kernels(x):
             from batchlm.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
