@@ -4,8 +4,11 @@ Each program takes one (sequence, kv head, context split) and reads that split's
 values from the paged cache once for all the query heads that share the kv head (GQA: the
 group's heads are the rows of one `tl.dot`). Long contexts are cut into `num_splits`
 partitions processed in parallel (split-K / flash-decoding); each writes an unnormalised
-partial result with its log-sum-exp, and a second kernel merges the partitions. With one
-split the first kernel writes the output directly.
+partial result with its log-sum-exp, and the partitions are merged: with `counters`, by
+the last program of each (sequence, kv head) to finish, in the same kernel (each program
+counts itself in with an atomic; the last one reads every split back and resets the
+count to zero for the next launch); without, by a second kernel. With one split the first
+kernel writes the output directly.
 
 Partitions are sized from the host's `max_seq_len` by default; with `split_each_seq` each
 sequence cuts its own context into `num_splits` parts instead (read from `seq_lens` on the
@@ -33,6 +36,7 @@ from .launch import (
     check_paged_attention,
     check_power_of_2,
     check_same_device,
+    check_tensor,
     dot_dtype,
     next_power_of_2,
     num_sms,
@@ -69,6 +73,8 @@ def _decode_kernel(
     out_ptr,  # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim], query dtype;
     # else [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 (normalised per split)
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2-sum-exp2 of each split
+    final_ptr,  # FUSED_MERGE: [num_seqs, num_heads, head_dim], query dtype
+    counters_ptr,  # FUSED_MERGE: int32 [num_seqs * num_kv_heads], zero between launches
     scale_log2,  # softmax scale * log2(e)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
     partition_size,  # keys per split, a multiple of BLOCK_N (unused with PER_SEQ_SPLITS)
@@ -86,6 +92,8 @@ def _decode_kernel(
     stride_os,
     stride_lt,
     stride_lh,
+    stride_ft,
+    stride_fh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -95,6 +103,7 @@ def _decode_kernel(
     IDS_PER_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -191,6 +200,46 @@ def _decode_kernel(
             mask=out_mask,
         )
         tl.store(lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+        if FUSED_MERGE:
+            # Every thread's stores are issued before the count says so (release); the
+            # last program sees every split's (acquire).
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _merge_group(
+                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                    lse_ptr + seq * stride_lt + heads * stride_lh,
+                    final_ptr + seq * stride_ft + heads[:, None] * stride_fh + offs_d[None, :],
+                    stride_os,
+                    out_mask,
+                    g_mask,
+                    NUM_SPLITS,
+                )
+                tl.atomic_xchg(counter, 0)  # no program of this launch counts here again
+
+
+@triton.jit
+def _merge_group(partial_ptrs, lse_ptrs, final_ptrs, stride_os, out_mask, g_mask, NUM_SPLITS):
+    """Merge the splits of a group's heads: `partial_ptrs` / `lse_ptrs` point at split 0
+    (`[BLOCK_G, BLOCK_D]` / `[BLOCK_G]`), splits `stride_os` / 1 apart. An online
+    log-sum-exp over the splits in order; split 0 always holds keys, so the running maximum
+    starts finite and empty splits (lse = -inf) weigh nothing."""
+    m = tl.load(lse_ptrs, mask=g_mask, other=0.0, volatile=True)
+    acc = tl.load(partial_ptrs, mask=out_mask, other=0.0, volatile=True)
+    total = tl.full(m.shape, 1.0, tl.float32)
+    for split in range(1, NUM_SPLITS):
+        lse = tl.load(lse_ptrs + split, mask=g_mask, other=float("-inf"), volatile=True)
+        part = tl.load(partial_ptrs + split * stride_os, mask=out_mask, other=0.0, volatile=True)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(final_ptrs, out.to(final_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -355,6 +404,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     align_tiles_to_blocks: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -379,6 +429,10 @@ def decode_attention(
         num_warps: Warps per program, a power of two in [1, 16]; None: 4.
         num_stages: Pipeline stages of the key loop, in [1, 8]; None: 3.
         align_tiles_to_blocks: See `choose_launch`.
+        counters: int32, at least `num_seqs * num_kv_heads` elements, all zero (and left
+            zero): the splits are merged inside the one kernel (see the module docstring).
+            Calls on one stream may share it; concurrent calls may not. None: a second
+            kernel merges them.
 
     Every launch configuration gives the same result up to float rounding.
 
@@ -428,6 +482,15 @@ def decode_attention(
     num_splits = launch.num_splits
 
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+    fused_merge = num_splits > 1 and counters is not None
+    if counters is not None:
+        check_tensor("counters", counters, dtypes=(torch.int32,), last_dim_contiguous=False)
+        if not counters.is_contiguous() or counters.numel() < num_seqs * num_kv_heads:
+            raise ValueError(
+                f"counters must be contiguous with at least num_seqs * num_kv_heads = "
+                f"{num_seqs * num_kv_heads} elements, got shape {tuple(counters.shape)}"
+            )
+        check_same_device(_decode_kernel, query=query, counters=counters)
     if num_splits == 1:
         partial, lse = out, out  # lse is unused
         stride_p, stride_l = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -445,6 +508,8 @@ def decode_attention(
         seq_lens,
         partial,
         lse,
+        out,
+        counters if fused_merge else lse,
         scale * math.log2(math.e),
         sliding_window or NO_WINDOW,
         launch.partition_size,
@@ -459,6 +524,8 @@ def decode_attention(
         block_tables.stride(0),
         *stride_p,
         *stride_l,
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -468,12 +535,13 @@ def decode_attention(
         IDS_PER_TILE=launch.ids_per_tile,
         NUM_SPLITS=num_splits,
         PER_SEQ_SPLITS=split_each_seq,
+        FUSED_MERGE=fused_merge,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **launch_options(_decode_kernel, device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(num_seqs, num_heads)](
             partial,
             lse,
