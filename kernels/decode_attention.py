@@ -104,6 +104,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next_power_of_2(NUM_SPLITS)
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -207,39 +208,56 @@ def _decode_kernel(
             counter = counters_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == NUM_SPLITS - 1:
-                tl.debug_barrier()
-                _merge_group(
-                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                    lse_ptr + seq * stride_lt + heads * stride_lh,
-                    final_ptr + seq * stride_ft + heads[:, None] * stride_fh + offs_d[None, :],
-                    stride_os,
-                    out_mask,
-                    g_mask,
-                    NUM_SPLITS,
-                )
                 tl.atomic_xchg(counter, 0)  # no program of this launch counts here again
+                tl.debug_barrier()
+                # Splits past the context hold no keys: only the first `filled` are read.
+                if PER_SEQ_SPLITS:
+                    filled = tl.cdiv(seq_len - first_key, partition_size)
+                else:
+                    filled = NUM_SPLITS
+                for g in tl.static_range(GROUP):
+                    head = kv_head * GROUP + g
+                    _merge_head(
+                        out_ptr + seq * stride_ot + head * stride_oh,
+                        lse_ptr + seq * stride_lt + head * stride_lh,
+                        final_ptr + seq * stride_ft + head * stride_fh,
+                        stride_os,
+                        filled,
+                        HEAD_DIM,
+                        BLOCK_D,
+                        BLOCK_S,
+                        ".cg",  # L2: other programs' stores, never a stale L1 line
+                    )
 
 
 @triton.jit
-def _merge_group(partial_ptrs, lse_ptrs, final_ptrs, stride_os, out_mask, g_mask, NUM_SPLITS):
-    """Merge the splits of a group's heads: `partial_ptrs` / `lse_ptrs` point at split 0
-    (`[BLOCK_G, BLOCK_D]` / `[BLOCK_G]`), splits `stride_os` / 1 apart. An online
-    log-sum-exp over the splits in order; split 0 always holds keys, so the running maximum
-    starts finite and empty splits (lse = -inf) weigh nothing."""
-    m = tl.load(lse_ptrs, mask=g_mask, other=0.0, volatile=True)
-    acc = tl.load(partial_ptrs, mask=out_mask, other=0.0, volatile=True)
-    total = tl.full(m.shape, 1.0, tl.float32)
-    for split in range(1, NUM_SPLITS):
-        lse = tl.load(lse_ptrs + split, mask=g_mask, other=float("-inf"), volatile=True)
-        part = tl.load(partial_ptrs + split * stride_os, mask=out_mask, other=0.0, volatile=True)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        total = total * alpha + weight
-        m = m_new
-    out = acc / total[:, None]
-    tl.store(final_ptrs, out.to(final_ptrs.dtype.element_ty), mask=out_mask)
+def _merge_head(
+    partial_ptr,  # this head's split 0: [NUM_SPLITS, head_dim] float32, splits stride_ps apart
+    lse_ptr,  # this head's split 0: [NUM_SPLITS] float32
+    out_ptr,  # this head's output row
+    stride_ps,
+    num_splits,  # splits to read; any past them must be empty
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """One head's output from its splits' normalised partials and log2-sum-exp2s."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    # Split 0 always holds keys (every sequence has at least one), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    partial = tl.load(
+        partial_ptr + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+        cache_modifier=CACHE,
+    )  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(partial * weights[:, None], 0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -263,29 +281,16 @@ def _merge_splits_kernel(
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(
-        lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=s_mask, other=float("-inf")
-    )  # [BLOCK_S]
-    # Split 0 always holds keys (every sequence has at least one), so the max is finite.
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    partial = tl.load(
-        partial_ptr
-        + seq * stride_pt
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :],
-        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(partial * weights[:, None], 0)
-    tl.store(
-        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
+    _merge_head(
+        partial_ptr + seq * stride_pt + head * stride_ph,
+        lse_ptr + seq * stride_lt + head * stride_lh,
+        out_ptr + seq * stride_ot + head * stride_oh,
+        stride_ps,
+        NUM_SPLITS,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_S,
+        "",
     )
 
 
@@ -536,6 +541,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         PER_SEQ_SPLITS=split_each_seq,
         FUSED_MERGE=fused_merge,
+        BLOCK_S=next_power_of_2(num_splits),
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
