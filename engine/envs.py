@@ -49,16 +49,31 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return default
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    on, off = ("1 (on, the default)", "0 (off)") if default else ("1 (on)", "0 (off, the default)")
+    raise ValueError(f"{name}={value!r} must be {on} or {off}")
+
+
 def programmatic_launch() -> bool:
     """BATCHLM_PDL: `0` (or off / false / no) launches the Triton kernels without
     programmatic dependent launch on Hopper and newer GPUs (default on; see
     `batchlm.kernels.pdl`)."""
-    value = os.environ.get("BATCHLM_PDL", "").strip().lower()
-    if value in ("", "1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"BATCHLM_PDL={value!r} must be 1 (on, the default) or 0 (off)")
+    return _switch("BATCHLM_PDL", True)
+
+
+def fused_all_reduce_norm() -> bool:
+    """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
+    tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one
+    peer-memory kernel (`kernels/all_reduce.py`), where the all-reduce and the norm are
+    otherwise two kernels. Default off: not yet measured against the two kernels on GPUs."""
+    return _switch("BATCHLM_FUSED_ALL_REDUCE_NORM", False)
 
 
 def tp_timeout_s() -> float:

@@ -4,11 +4,8 @@ Each program takes one (sequence, kv head, context split) and reads that split's
 values from the paged cache once for all the query heads that share the kv head (GQA: the
 group's heads are the rows of one `tl.dot`). Long contexts are cut into `num_splits`
 partitions processed in parallel (split-K / flash-decoding); each writes an unnormalised
-partial result with its log-sum-exp, and the partitions are merged: with `counters`, by
-the last program of each (sequence, kv head) to finish, in the same kernel (each program
-counts itself in with an atomic; the last one reads every split back and resets the
-count to zero for the next launch); without, by a second kernel. With one split the first
-kernel writes the output directly.
+partial result with its log-sum-exp, and a second kernel merges the partitions. With one
+split the first kernel writes the output directly.
 
 Partitions are sized from the host's `max_seq_len` by default; with `split_each_seq` each
 sequence cuts its own context into `num_splits` parts instead (read from `seq_lens` on the
@@ -36,7 +33,6 @@ from .launch import (
     check_paged_attention,
     check_power_of_2,
     check_same_device,
-    check_tensor,
     dot_dtype,
     next_power_of_2,
     num_sms,
@@ -73,8 +69,6 @@ def _decode_kernel(
     out_ptr,  # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim], query dtype;
     # else [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 (normalised per split)
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2-sum-exp2 of each split
-    final_ptr,  # FUSED_MERGE: [num_seqs, num_heads, head_dim], query dtype
-    counters_ptr,  # FUSED_MERGE: int32 [num_seqs * num_kv_heads], zero between launches
     scale_log2,  # softmax scale * log2(e)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
     partition_size,  # keys per split, a multiple of BLOCK_N (unused with PER_SEQ_SPLITS)
@@ -92,8 +86,6 @@ def _decode_kernel(
     stride_os,
     stride_lt,
     stride_lh,
-    stride_ft,
-    stride_fh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,8 +95,6 @@ def _decode_kernel(
     IDS_PER_TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # next_power_of_2(NUM_SPLITS)
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -201,63 +191,6 @@ def _decode_kernel(
             mask=out_mask,
         )
         tl.store(lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
-        if FUSED_MERGE:
-            # Every thread's stores are issued before the count says so (release); the
-            # last program sees every split's (acquire).
-            tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                tl.atomic_xchg(counter, 0)  # no program of this launch counts here again
-                tl.debug_barrier()
-                # Splits past the context hold no keys: only the first `filled` are read.
-                if PER_SEQ_SPLITS:
-                    filled = tl.cdiv(seq_len - first_key, partition_size)
-                else:
-                    filled = NUM_SPLITS
-                for g in tl.static_range(GROUP):
-                    head = kv_head * GROUP + g
-                    _merge_head(
-                        out_ptr + seq * stride_ot + head * stride_oh,
-                        lse_ptr + seq * stride_lt + head * stride_lh,
-                        final_ptr + seq * stride_ft + head * stride_fh,
-                        stride_os,
-                        filled,
-                        HEAD_DIM,
-                        BLOCK_D,
-                        BLOCK_S,
-                        ".cg",  # L2: other programs' stores, never a stale L1 line
-                    )
-
-
-@triton.jit
-def _merge_head(
-    partial_ptr,  # this head's split 0: [NUM_SPLITS, head_dim] float32, splits stride_ps apart
-    lse_ptr,  # this head's split 0: [NUM_SPLITS] float32
-    out_ptr,  # this head's output row
-    stride_ps,
-    num_splits,  # splits to read; any past them must be empty
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """One head's output from its splits' normalised partials and log2-sum-exp2s."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    # Split 0 always holds keys (every sequence has at least one), so the max is finite.
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    partial = tl.load(
-        partial_ptr + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-        cache_modifier=CACHE,
-    )  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(partial * weights[:, None], 0)
-    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -281,16 +214,29 @@ def _merge_splits_kernel(
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _merge_head(
-        partial_ptr + seq * stride_pt + head * stride_ph,
-        lse_ptr + seq * stride_lt + head * stride_lh,
-        out_ptr + seq * stride_ot + head * stride_oh,
-        stride_ps,
-        NUM_SPLITS,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_S,
-        "",
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(
+        lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=s_mask, other=float("-inf")
+    )  # [BLOCK_S]
+    # Split 0 always holds keys (every sequence has at least one), so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    partial = tl.load(
+        partial_ptr
+        + seq * stride_pt
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(partial * weights[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
     )
 
 
@@ -409,7 +355,6 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     align_tiles_to_blocks: bool = False,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -434,10 +379,6 @@ def decode_attention(
         num_warps: Warps per program, a power of two in [1, 16]; None: 4.
         num_stages: Pipeline stages of the key loop, in [1, 8]; None: 3.
         align_tiles_to_blocks: See `choose_launch`.
-        counters: int32, at least `num_seqs * num_kv_heads` elements, all zero (and left
-            zero): the splits are merged inside the one kernel (see the module docstring).
-            Calls on one stream may share it; concurrent calls may not. None: a second
-            kernel merges them.
 
     Every launch configuration gives the same result up to float rounding.
 
@@ -487,15 +428,6 @@ def decode_attention(
     num_splits = launch.num_splits
 
     block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    fused_merge = num_splits > 1 and counters is not None
-    if counters is not None:
-        check_tensor("counters", counters, dtypes=(torch.int32,), last_dim_contiguous=False)
-        if not counters.is_contiguous() or counters.numel() < num_seqs * num_kv_heads:
-            raise ValueError(
-                f"counters must be contiguous with at least num_seqs * num_kv_heads = "
-                f"{num_seqs * num_kv_heads} elements, got shape {tuple(counters.shape)}"
-            )
-        check_same_device(_decode_kernel, query=query, counters=counters)
     if num_splits == 1:
         partial, lse = out, out  # lse is unused
         stride_p, stride_l = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -513,8 +445,6 @@ def decode_attention(
         seq_lens,
         partial,
         lse,
-        out,
-        counters if fused_merge else lse,
         scale * math.log2(math.e),
         sliding_window or NO_WINDOW,
         launch.partition_size,
@@ -529,8 +459,6 @@ def decode_attention(
         block_tables.stride(0),
         *stride_p,
         *stride_l,
-        out.stride(0),
-        out.stride(1),
         GROUP=group,
         BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -540,14 +468,12 @@ def decode_attention(
         IDS_PER_TILE=launch.ids_per_tile,
         NUM_SPLITS=num_splits,
         PER_SEQ_SPLITS=split_each_seq,
-        FUSED_MERGE=fused_merge,
-        BLOCK_S=next_power_of_2(num_splits),
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **launch_options(_decode_kernel, device),
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             partial,
             lse,

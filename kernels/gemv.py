@@ -8,10 +8,6 @@ inside the loop), and reduces it once at the end. Programs never share an output
 there is no split-K reduction and no second kernel; `BLOCK_N` is small enough that every
 program of the usual shapes is resident at once.
 
-With `gated`, `x` holds `[gate | up]` (the output of a merged gate|up projection) and the
-product is taken with `silu(gate) * up`, computed tile by tile as the weights stream in and
-rounded as `activation.silu_and_mul` rounds: the activation needs no kernel of its own.
-
 `gemv_ref` is the plain PyTorch product (the reference, and the CPU path).
 """
 
@@ -56,7 +52,6 @@ def _gemv_kernel(
     K,
     stride_wn,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,  # x is [gate | up], 2 * K wide: the input is silu(gate) * up
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,12 +65,11 @@ def _gemv_kernel(
     # kernel of the step still runs (under PDL), before the wait for its `x`.
     w = _load_weight_tile(rows, offs_k, offs_n, N, K, EVEN_N, EVEN_K)
     wait_for_previous_kernel(PDL)
-    x = _load_x_tile(x_ptr, offs_k, K, EVEN_K, GATED)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * _load_x_tile(x_ptr, offs_k, K, EVEN_K).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         w = _load_weight_tile(rows, ks, offs_n, N, K, EVEN_N, EVEN_K)
-        acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K, GATED).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -93,15 +87,7 @@ def _load_weight_tile(rows, ks, offs_n, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _load_x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """The input at columns `ks` (0 past K), in x's dtype; with GATED, `silu(gate) * up`
-    rounded as the activation kernel rounds it."""
-    if GATED:
-        dtype = x_ptr.dtype.element_ty
-        gate = _load_x_tile(x_ptr, ks, K, EVEN_K, False).to(tl.float32)
-        up = _load_x_tile(x_ptr + K, ks, K, EVEN_K, False).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        return (act * up).to(dtype)
+def _load_x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(x_ptr + ks)
     return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
@@ -146,21 +132,16 @@ def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    gated: bool = False,
     **launch: int | None,
 ) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` for one row, or with `gated`,
-    `silu_and_mul(x) @ weight.T (+ bias)`.
+    """`x @ weight.T (+ bias)` for one row.
 
     Args:
-        x: `[1, K]` (or `[K]`), with unit stride; with `gated`, `[1, 2 * K]` holding
-            `[gate | up]`.
+        x: `[1, K]` (or `[K]`), with unit stride.
         weight: `[N, K]`, same dtype, unit stride along K. Under PDL its first tile is
             read before the wait for the previous kernel: it must not be that kernel's
             output (weights never are).
         bias: `[N]` or None.
-        gated: Take `silu(gate) * up` of `x` as the input (see the module docstring).
         **launch: `block_n`, `block_k`, `num_warps`, `num_stages` overrides (see
             `choose_gemv_launch`).
 
@@ -172,9 +153,7 @@ def gemv(
     check_tensor("x", x2, ndim=2, dtypes=FLOAT_DTYPES)
     if x2.shape[0] != 1:
         raise ValueError(f"gemv takes one row; x has shape {tuple(x.shape)} (use F.linear)")
-    if gated and x2.shape[1] % 2:
-        raise ValueError(f"gated gemv takes [gate | up]; x has odd width {x2.shape[1]}")
-    num_k = x2.shape[1] // 2 if gated else x2.shape[1]
+    num_k = x2.shape[1]
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={1: num_k})
     num_n = weight.shape[0]
     if bias is not None:
@@ -193,7 +172,6 @@ def gemv(
         num_k,
         weight.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
         EVEN_N=num_n % cfg.block_n == 0,
         EVEN_K=num_k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n,
@@ -205,14 +183,8 @@ def gemv(
     return y[0] if squeeze else y
 
 
-def gemv_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
-):
-    """The same product in float32, cast back to x's dtype (with `gated`, of the activation
-    rounded to x's dtype, as the model's layers compute it)."""
-    if gated:
-        d = x.shape[-1] // 2
-        x = torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The same product in float32, cast back to x's dtype."""
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()

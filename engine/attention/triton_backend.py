@@ -4,9 +4,8 @@ Triton's interpreter, for tests).
 Per layer: the step's keys and values are written into the paged cache by slot (in the
 same kernel as the rotary embedding, for whole-head rotary and a cache in the model's
 dtype), then a decode-only step (one query token per sequence) runs the split-K decode
-kernel, which merges its splits itself (the backend owns its counters), and every other
-step (prefills, chunked prefills, prefix-cache hits, mixed prefill + decode) runs the
-variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
+kernel and every other step (prefills, chunked prefills, prefix-cache hits, mixed prefill
++ decode) runs the variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
 tensors directly; `prepare` only decides which kernel the step uses.
 """
 
@@ -32,22 +31,6 @@ class _TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-
-    def __init__(self) -> None:
-        self._merge_counters: dict[torch.device, torch.Tensor] = {}
-        self._outgrown: list[torch.Tensor] = []
-
-    def merge_counters(self, device: torch.device, count: int) -> torch.Tensor:
-        """Zeroed int32 counters for the decode kernel's in-kernel merge, at least `count`,
-        shared by every layer (their kernels run one after another and leave them zero).
-        An outgrown buffer is kept alive: CUDA graphs captured with it still use it."""
-        counters = self._merge_counters.get(device)
-        if counters is None or counters.numel() < count:
-            if counters is not None:
-                self._outgrown.append(counters)
-            counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-            self._merge_counters[device] = counters
-        return counters
 
     def rotate_into_cache(
         self,
@@ -104,7 +87,6 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.max_seq_len,
                 sliding_window,
                 split_each_seq=metadata.max_seq_len_is_bound,
-                counters=self.merge_counters(query.device, query.shape[0] * key_cache.shape[2]),
             )
         return prefill_attention(
             query,

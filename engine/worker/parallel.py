@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import envs
+
 
 @dataclass
 class TPGroup:
@@ -30,6 +32,8 @@ class TPGroup:
     """The c10d backend object (`ProcessGroupGloo` / `ProcessGroupNCCL`)."""
     peer_all_reduce: Any = None
     """`PeerAllReduce` for small tensors on GPUs with peer access (None: NCCL only)."""
+    fused_norm: bool = False
+    """`all_reduce_add_rms_norm` runs the one-kernel path (BATCHLM_FUSED_ALL_REDUCE_NORM)."""
 
     @property
     def backend(self) -> str:
@@ -50,7 +54,7 @@ class TPGroup:
         kernel; None where the peer path does not take `x` (the caller then sums with
         `all_reduce` and normalises on its own)."""
         peer = self.peer_all_reduce
-        if peer is not None and peer.fits_norm(x):
+        if self.fused_norm and peer is not None and peer.fits_norm(x):
             return tuple(peer.add_rms_norm(x, residual, weight, eps))
         return None
 
@@ -136,4 +140,5 @@ def create_tp_group(
 
         if peer_access_everywhere(world_size):
             group.peer_all_reduce = PeerAllReduce(store, rank, world_size, device, MAX_BYTES)
+            group.fused_norm = envs.fused_all_reduce_norm()
     return group

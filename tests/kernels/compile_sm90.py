@@ -144,11 +144,6 @@ def record_all_launches() -> list[_Launch]:
         ]:
             q, kc, vc, tables, lens, _ = _paged(3, 1, dtype, head_dim, group)
             decode_attention.decode_attention(q, kc, vc, tables, lens, 0.1, 4096, num_splits=splits)
-            if splits > 1:  # the engine's launch: splits per sequence, merged in the kernel
-                decode_attention.decode_attention(
-                    q, kc, vc, tables, lens, 0.1, 4096, num_splits=splits, split_each_seq=True,
-                    counters=torch.zeros(8, dtype=torch.int32),
-                )  # fmt: skip
     launches += got
     with recording(prefill_attention, "_prefill_kernel") as got:
         for dtype, head_dim, group in [

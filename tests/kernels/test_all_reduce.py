@@ -216,3 +216,15 @@ def test_launcher_names_bad_arguments():
         one_shot_all_reduce_rms_norm(torch.ones(SLOT + 64), torch.ones(SLOT + 64),
                                      torch.ones(SLOT + 64), EPS, 0, data_addrs, flag_addrs,
                                      epochs, errors, abort, SLOT)  # fmt: skip
+
+
+def test_fused_norm_switch_is_off_by_default(monkeypatch):
+    from batchlm.engine import envs
+
+    monkeypatch.delenv("BATCHLM_FUSED_ALL_REDUCE_NORM", raising=False)
+    assert envs.fused_all_reduce_norm() is False
+    monkeypatch.setenv("BATCHLM_FUSED_ALL_REDUCE_NORM", " on ")
+    assert envs.fused_all_reduce_norm() is True
+    monkeypatch.setenv("BATCHLM_FUSED_ALL_REDUCE_NORM", "maybe")
+    with pytest.raises(ValueError, match=r"FUSED_ALL_REDUCE_NORM='maybe'.*0 \(off, the default\)"):
+        envs.fused_all_reduce_norm()

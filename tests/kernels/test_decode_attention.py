@@ -25,14 +25,7 @@ def _random_lens(n: int, high: int, seed: int) -> list[int]:
     return [rng.randint(1, high) for _ in range(n)]
 
 
-def _counters(seq_lens, device) -> torch.Tensor:
-    """Zeroed merge counters, a few more than the launch needs (as a shared buffer has)."""
-    return torch.zeros(len(seq_lens) * NUM_KV_HEADS + 3, dtype=torch.int32, device=device)
-
-
-def _run(
-    seq_lens, dtype, head_dim, block_size, group, device, sliding_window, num_splits, counters=None
-):
+def _run(seq_lens, dtype, head_dim, block_size, group, device, sliding_window, num_splits):
     key_cache, value_cache, block_tables = make_paged_cache(
         seq_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device
     )
@@ -51,14 +44,11 @@ def _run(
         max(seq_lens),
         sliding_window,
         num_splits=num_splits,
-        counters=counters,
     )
     ref = decode_attention_ref(
         query, key_cache, value_cache, block_tables, lens, scale, sliding_window
     )
     assert_close(out, ref, ATTENTION_TOLERANCE)
-    if counters is not None:
-        assert not counters.any()  # the last program of each group reset its count
 
 
 @pytest.mark.parametrize(
@@ -89,12 +79,8 @@ def test_decode_matches_reference(seq_lens, dtype, head_dim, block_size, group, 
 )
 @pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("merge", ["second-kernel", "in-kernel"])
-def test_split_k_matches_reference(seq_lens, num_splits, sliding_window, dtype, merge, device):
-    counters = _counters(seq_lens, device) if merge == "in-kernel" else None
-    _run(seq_lens, dtype, 64, 16, 4, device, sliding_window, num_splits, counters)
-    if counters is not None:  # the same counters again: each launch leaves them zero
-        _run(seq_lens, dtype, 64, 16, 4, device, sliding_window, num_splits, counters)
+def test_split_k_matches_reference(seq_lens, num_splits, sliding_window, dtype, device):
+    _run(seq_lens, dtype, 64, 16, 4, device, sliding_window, num_splits)
 
 
 @pytest.mark.gpu
@@ -126,12 +112,6 @@ def test_launcher_rejects_bad_arguments(device):
         decode_attention(query[..., :32], key_cache, value_cache, block_tables, lens, 1.0, 5)
     with pytest.raises(ValueError, match="value_cache has dtype"):
         decode_attention(query, key_cache, value_cache.half(), block_tables, lens, 1.0, 5)
-    with pytest.raises(ValueError, match="counters has dtype torch.int64"):
-        decode_attention(query, key_cache, value_cache, block_tables, lens, 1.0, 5,
-                         counters=torch.zeros(2, dtype=torch.int64, device=device))  # fmt: skip
-    with pytest.raises(ValueError, match="at least num_seqs \\* num_kv_heads = 2"):
-        decode_attention(query, key_cache, value_cache, block_tables, lens, 1.0, 5,
-                         counters=torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -158,10 +138,7 @@ def test_contexts_longer_than_max_seq_len_stay_exact(num_splits, device):
 )
 @pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("merge", ["second-kernel", "in-kernel"])
-def test_splits_per_sequence_match_reference(
-    seq_lens, num_splits, sliding_window, dtype, merge, device
-):
+def test_splits_per_sequence_match_reference(seq_lens, num_splits, sliding_window, dtype, device):
     """`split_each_seq`: `max_seq_len` is a bound (a CUDA graph's), each sequence splits its
     own context."""
     key_cache, value_cache, block_tables = make_paged_cache(
@@ -177,7 +154,6 @@ def test_splits_per_sequence_match_reference(
         sliding_window=sliding_window,
         num_splits=num_splits,
         split_each_seq=True,
-        counters=_counters(seq_lens, device) if merge == "in-kernel" else None,
     )
     ref = decode_attention_ref(*args, sliding_window=sliding_window)
     assert_close(out, ref, ATTENTION_TOLERANCE)

@@ -47,28 +47,6 @@ def test_gemv_matches_the_float32_product(num_n, num_k, launch, bias, dtype, dev
     _check(gemv(x, w, b, **launch), gemv_ref(x, w, b))
 
 
-@pytest.mark.parametrize(
-    ("num_n", "num_k", "launch"),
-    [(48, 64, {"block_k": 32}), (50, 100, {"block_k": 32}), gpu_only(4096, 7168, {})],
-)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gated_gemv_is_the_product_with_silu_and_mul(num_n, num_k, launch, dtype, device):
-    """The input `silu(gate) * up` is made tile by tile, rounded as the activation kernel
-    rounds it: the same result as that kernel followed by the plain gemv."""
-    from batchlm.kernels.activation import silu_and_mul
-
-    gen = torch.Generator().manual_seed(num_n * num_k)
-    gate_up = (torch.randn(1, 2 * num_k, generator=gen) * 2).to(dtype).to(device)
-    w = (torch.randn(num_n, num_k, generator=gen) / num_k**0.5).to(dtype).to(device)
-    y = gemv(gate_up, w, gated=True, **launch)
-    _check(y, gemv_ref(gate_up, w, gated=True))
-    assert torch.equal(y, gemv(silu_and_mul(gate_up), w, **launch))
-    with pytest.raises(ValueError, match="odd width"):
-        gemv(gate_up[:, 1:], w, gated=True)
-    with pytest.raises(ValueError, match="weight"):
-        gemv(gate_up[:, : num_k + 2], w, gated=True)
-
-
 def test_gemv_reads_rows_of_wider_tensors(device):
     """x a row of a larger batch, the weight a slice of rows of a merged matrix."""
     gen = torch.Generator().manual_seed(3)
@@ -116,11 +94,3 @@ def test_linear_layers_take_the_kernel_for_one_half_precision_row():
         _check(layer(x), gemv_ref(x, layer.weight, layer.bias))
         batch = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
         _check(layer(batch), gemv_ref(batch, layer.weight, layer.bias))
-    # The down projection after SiLU-and-mul: one gated kernel, the same result.
-    from batchlm.engine.models.layers.activation import SiluAndMul
-
-    down = Linear(128, 256, bias=False).to("cuda", torch.bfloat16)
-    act = SiluAndMul()
-    for rows in (1, 3):
-        gate_up = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(down.forward_silu_and_mul(gate_up, act), down(act(gate_up)))

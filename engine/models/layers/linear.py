@@ -34,15 +34,11 @@ if TYPE_CHECKING:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear`, or for one half-precision row on CUDA (a decode step at batch 1) the
     Triton matrix-vector kernel, which reads the weight faster than cuBLAS there."""
-    if _takes_gemv(x):
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x):
         from batchlm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def _takes_gemv(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x)
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
@@ -70,16 +66,6 @@ class Linear(nn.Linear):
             return linear(x, self.weight, self.bias)
         out = self.quant_method.apply(self, x)
         return out if self.bias is None else out + self.bias
-
-    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """`self(act(gate_up))` where `act` is the SiLU-and-mul of `gate_up = [gate | up]`;
-        for one half-precision row on CUDA the matrix-vector kernel applies it to the
-        input as it reads it (one kernel, the same result)."""
-        if self.quant_method is None and _takes_gemv(gate_up):
-            from batchlm.kernels.gemv import gemv
-
-            return gemv(gate_up, self.weight, self.bias, gated=True)
-        return self(act(gate_up))
 
 
 class MergedLinear(Linear):
@@ -149,17 +135,7 @@ class RowParallelLinear(Linear):
         self.reduce_output = reduce_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] → [n, out]
-        return self._sum(self.matmul(x))
-
-    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        if self.quant_method is None and _takes_gemv(gate_up):
-            from batchlm.kernels.gemv import gemv
-
-            return self._sum(gemv(gate_up, self.weight, gated=True))
-        return self(act(gate_up))
-
-    def _sum(self, out: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product → the layer's output (or left partial, see Args)."""
+        out = self.matmul(x)
         if not self.reduce_output:
             return out
         out = self.tp.all_reduce(out)
