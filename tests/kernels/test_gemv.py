@@ -77,6 +77,8 @@ def test_launch_defaults_follow_the_width_and_overrides_are_checked():
     assert choose_gemv_launch(4096, 14336) == (16, 1024, 8, 2)
     assert choose_gemv_launch(6144, 4096) == (8, 512, 4, 2)
     assert choose_gemv_launch(896, 100).block_k == 128  # no wider than the row needs
+    assert choose_gemv_launch(4096, 7168) == (4, 1024, 4, 4)  # a tuned shape (down_proj, TP=2)
+    assert choose_gemv_launch(4096, 7168, num_warps=8) == (4, 1024, 8, 4)
     assert choose_gemv_launch(6144, 4096, block_n=32, num_stages=1) == (32, 512, 4, 1)
     for bad in ({"block_n": 12}, {"block_k": 8}, {"num_warps": 3}, {"num_stages": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
