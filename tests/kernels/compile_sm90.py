@@ -174,7 +174,7 @@ def record_all_launches() -> list[_Launch]:
         activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=f16))
     launches += got
     with recording(gemv, "_gemv_kernel") as got:
-        for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 900)]:
+        for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 7168), (1000, 900)]:
             gemv.gemv(torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
     launches += got
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
