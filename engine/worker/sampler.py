@@ -307,6 +307,25 @@ class SamplerOutput:
     no mask was asked for, or when every row is greedy (the mask is then the sampled token)."""
 
 
+_ARGMAX_CHUNKS = (1024, 768, 512, 384, 256, 128)
+"""Chunk widths `row_argmax` cuts a row into (the first that divides the vocabulary)."""
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of a `[rows, vocab]` tensor (the first index of the maximum), in two
+    passes for a few rows over a wide vocabulary: each row's reduction otherwise runs as
+    one slow pass (38 us for one 128,256-wide row on an H200), where chunks of the row
+    reduce side by side and a second argmax picks the first chunk holding the maximum."""
+    rows, width = x.shape
+    chunk = next((c for c in _ARGMAX_CHUNKS if width % c == 0), 0)
+    if rows > 8 or width < 16 * 1024 or not chunk or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    parts = x.reshape(rows, width // chunk, chunk)
+    local = parts.argmax(dim=-1)  # [rows, chunks]: the first maximum of each chunk
+    best = parts.gather(-1, local[..., None])[..., 0].argmax(dim=-1)  # its first chunk
+    return best * chunk + local.gather(-1, best[:, None])[:, 0]
+
+
 class Sampler:
     """Turns logits into next tokens for a whole batch.
 
@@ -325,7 +344,7 @@ class Sampler:
         )
         if meta.processing is not None:
             logits = apply_logits_processing(logits.clone(), meta.processing)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = row_argmax(logits)
         keep = None
         if meta.all_greedy:
             sampled = greedy_ids

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchlm.engine import LLM, SamplingParams
-from batchlm.engine.worker.sampler import Sampler, SamplingMetadata
+from batchlm.engine.worker.sampler import Sampler, SamplingMetadata, row_argmax
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +222,20 @@ def test_argmax_only_steps_read_logits_in_the_model_dtype(tiny_model_factory):
     finally:
         llm.shutdown()
     assert tokens(fast) == tokens(full)
+
+
+@pytest.mark.parametrize("width", [128256, 151936, 49152, 32000, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_argmax_is_the_first_maximum(width, dtype):
+    """The two-pass argmax (few rows, wide vocabularies) against torch.argmax, with the
+    maximum repeated inside a chunk and across chunks, and NaN rows."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=gen).to(dtype)
+    x[1, [5, 7, width - 1]] = 9.0  # ties inside the first chunk and in the last
+    x[2, [width - 1, width // 2]] = 9.0  # ties in two chunks: the earlier index wins
+    x[3, width // 3] = float("nan")
+    x[4] = 0.0  # all equal: index 0
+    for rows in (x, x[:1], x[2:3], x.to(torch.float32)[:, : width - 3]):
+        assert torch.equal(row_argmax(rows), rows.argmax(dim=-1))
+    wide = torch.cat([x, x], dim=1)[:, :width]  # a slice of wider rows (TP gathered logits)
+    assert torch.equal(row_argmax(wide), wide.argmax(dim=-1))
