@@ -146,8 +146,11 @@ class PeerAllReduce:
         """Sum `x` over the ranks, in place; returns `x`."""
         if not x.is_contiguous():
             return x.copy_(self(x.contiguous()))
-        return one_shot_all_reduce(
-            x,
+        return one_shot_all_reduce(x, *self._exchange(x))
+
+    def _exchange(self, x: torch.Tensor) -> tuple:
+        """The kernels' arguments after the tensors: rank, buffers, counters, slot size."""
+        return (
             self.rank,
             self.data_addrs,
             self.flag_addrs,
@@ -171,17 +174,7 @@ class PeerAllReduce:
     ) -> RMSNormOutput:
         """RMSNorm of `sum over ranks of x + residual`, with that sum: one kernel."""
         return one_shot_all_reduce_rms_norm(
-            x.contiguous(),
-            residual,
-            weight,
-            eps,
-            self.rank,
-            self.data_addrs,
-            self.flag_addrs,
-            self.epochs,
-            self.errors,
-            self.abort,
-            self.max_bytes // x.element_size(),
+            x.contiguous(), residual, weight, eps, *self._exchange(x)
         )
 
     def abort_waits(self) -> None:
