@@ -1,0 +1,90 @@
+"""W3 (Llama-3.1-8B shape, batch 1, 32 -> 256 greedy tokens) for variants of the engine side
+by side: one engine per variant, each built after its variant is set, three timed runs each.
+
+Variants:
+  tp1                  tensor_parallel_size=1, the engine as it is
+  tp1-plain-argmax     ... with torch.argmax for greedy rows instead of sampler.row_argmax
+  tp2                  tensor_parallel_size=2 (2 GPUs)
+  tp2-fused-norm       ... with BATCHLM_FUSED_ALL_REDUCE_NORM=1 (the ranks inherit it)
+  tp2-plain-argmax     ... with torch.argmax (rank 0 samples, so the replacement covers it)
+
+Each record lists the three runs' ms per token and whether the greedy tokens equal those of
+`tp1` and of `tp2` (a fusion that only regroups the same arithmetic must give the same
+tokens).
+
+    python3 benchmarks/tools/w3_variants.py --out $OUT/w3_variants.jsonl
+    python3 benchmarks/tools/w3_variants.py --variant tp2 --variant tp2-fused-norm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_generate as g  # noqa: E402
+
+from batchlm.engine import SamplingParams  # noqa: E402
+from batchlm.engine.worker import sampler  # noqa: E402
+
+VARIANTS = {  # name: (tensor_parallel_size, BATCHLM_FUSED_ALL_REDUCE_NORM, two-pass argmax)
+    "tp1": (1, "0", True),
+    "tp1-plain-argmax": (1, "0", False),
+    "tp2": (2, "0", True),
+    "tp2-fused-norm": (2, "1", True),
+    "tp2-plain-argmax": (2, "0", False),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variant", action="append", choices=list(VARIANTS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    names = args.variant or [n for n, v in VARIANTS.items() if v[0] <= torch.cuda.device_count()]
+    if not names:
+        print("w3_variants: needs a CUDA GPU (two for the tp2 variants)")
+        return 0
+    engine_args = argparse.Namespace(enforce_eager=False, max_num_batched_tokens=None)
+    folder = Path(tempfile.mkdtemp(prefix="bench-llama8b-"))
+    g.build_random_model(g.LLAMA_8B, folder)
+    g.release()
+    prompts = g.prompts_of([32], g.LLAMA_8B["vocab_size"], 0)
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    two_pass = sampler.row_argmax
+    tokens: dict[str, list[int]] = {}
+    out = open(args.out, "w") if args.out else None
+    for name in names:
+        tp, fused, use_two_pass = VARIANTS[name]
+        os.environ["BATCHLM_FUSED_ALL_REDUCE_NORM"] = fused
+        sampler.row_argmax = two_pass if use_two_pass else (lambda x: x.argmax(dim=-1))
+        llm = g.make_llm(folder, engine_args, max_num_seqs=16, tensor_parallel_size=tp)
+        g.run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        runs = [g.run_batchlm(llm, prompts, params) for _ in range(3)]
+        tokens[name] = runs[0][1][0].outputs[0].token_ids
+        rec = dict(
+            variant=name,
+            tensor_parallel_size=tp,
+            ms_per_token=[round(secs / 256 * 1e3, 3) for secs, _ in runs],
+            tokens_equal_tp1=tokens[name] == tokens.get("tp1", tokens[name]),
+            tokens_equal_tp2=tokens[name] == tokens.get("tp2", tokens[name]),
+        )
+        print(json.dumps(rec), flush=True)
+        if out:
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+        llm.shutdown()
+        del llm
+        g.release()
+    sampler.row_argmax = two_pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
