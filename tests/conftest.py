@@ -94,6 +94,7 @@ TINY_COMMON = dict(
 TINY_MODELS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-dynamic": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "llama3-rope": (

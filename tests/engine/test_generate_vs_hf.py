@@ -45,6 +45,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 ARCHS = [
     "llama",
     "llama-tied",
+    "llama-bias",
     "llama-linear",
     "llama-dynamic",
     "llama3-rope",

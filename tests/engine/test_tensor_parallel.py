@@ -107,13 +107,17 @@ def assert_same_top_logprobs(pos_a: dict, pos_b: dict) -> None:
                 assert abs(lp.logprob - lowest) < LOGPROB_ATOL, (tid, lp, other)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3-odd-vocab"])
+# qwen2: q/k/v biases, tied embeddings, the norms summing the row-parallel outputs;
+# llama-bias: o_proj / MLP biases, so those layers sum their own outputs before the bias.
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-odd-vocab", "llama-bias"])
 def test_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory, request):
     if family == "qwen3-odd-vocab":
         path = str(request.getfixturevalue("odd_vocab_qwen3"))
     else:
-        path = str(tiny_model_factory(family))  # qwen2: q/k/v biases, tied embeddings
+        path = str(tiny_model_factory(family))
     llm = LLM(path, max_model_len=128, tensor_parallel_size=2, **SHARE)
+    own_sums = llm.collective_rpc(lambda w: w.model.model.layers[0].mlp.down_proj.reduce_output)
+    assert own_sums == [family == "llama-bias"] * 2
     assert_same_greedy_tokens(path, llm)
     pids = llm.llm_engine.executor.worker_pids
     assert len(pids) == 1 and all(pid_alive(p) for p in pids)
