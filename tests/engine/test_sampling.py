@@ -224,13 +224,17 @@ def test_argmax_only_steps_read_logits_in_the_model_dtype(tiny_model_factory):
     assert tokens(fast) == tokens(full)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
+)
 @pytest.mark.parametrize("width", [128256, 151936, 49152, 32000, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_row_argmax_is_the_first_maximum(width, dtype):
+def test_row_argmax_is_the_first_maximum(width, dtype, device):
     """The two-pass argmax (few rows, wide vocabularies) against torch.argmax, with the
     maximum repeated inside a chunk and across chunks, and NaN rows."""
     gen = torch.Generator().manual_seed(width)
-    x = torch.randn(6, width, generator=gen).to(dtype)
+    x = torch.randn(6, width, generator=gen).to(dtype).to(device)
     x[1, [5, 7, width - 1]] = 9.0  # ties inside the first chunk and in the last
     x[2, [width - 1, width // 2]] = 9.0  # ties in two chunks: the earlier index wins
     x[3, width // 3] = float("nan")

@@ -35,6 +35,10 @@ def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
         gpu_only(4096, 14336, {}),
         gpu_only(28672, 4096, {}),
         gpu_only(151936, 896, {}),
+        gpu_only(3072, 4096, {}),  # the tuned launches of one rank's shapes at TP=2
+        gpu_only(4096, 2048, {}),
+        gpu_only(4096, 7168, {}),
+        gpu_only(64128, 4096, {}),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
