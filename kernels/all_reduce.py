@@ -41,7 +41,14 @@ import triton.language as tl
 
 from .launch import FLOAT_DTYPES, check_same_device, check_tensor, next_power_of_2
 from .pdl import launch_options, wait_for_previous_kernel
-from .rms_norm import RMSNormOutput, fused_add_rms_norm_ref
+from .rms_norm import (
+    RMSNormOutput,
+    as_rows,
+    check_norm_args,
+    fused_add_rms_norm_ref,
+    rms_norm_row,
+    row_warps,
+)
 
 __all__ = [
     "DTYPES",
@@ -186,7 +193,7 @@ def _one_shot_all_reduce_rms_norm_kernel(
         flag_addrs_ptr, errors_ptr, abort_addr, pid, epoch, max_spins, RANK, WORLD, ABORT_POLL
     )
     tl.debug_barrier()
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     for row in range(pid, num_rows, GRID):
         at = row * HIDDEN + offs  # < slot elements: int32 holds it
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -197,10 +204,7 @@ def _one_shot_all_reduce_rms_norm_kernel(
         res = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         h = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(residual_out_ptr + at, h, mask=mask)
-        hf = h.to(tl.float32)
-        mean_square = tl.sum(hf * hf, 0) / HIDDEN
-        normed = (hf * tl.rsqrt(mean_square + eps)).to(dtype)
-        out = normed.to(tl.float32) * w
+        out = rms_norm_row(h, w, eps, HIDDEN)
         tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(epochs_ptr + pid, epoch)
 
@@ -293,31 +297,21 @@ def one_shot_all_reduce_rms_norm(
     Returns:
         `RMSNormOutput(out, residual)`: `out` in the promoted dtype of `x` and `weight`.
     """
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=False)
-    if x.dim() < 1 or not x.is_contiguous():
-        raise ValueError(f"x must be contiguous with a hidden dimension, got {tuple(x.shape)}")
-    hidden = x.shape[-1]
+    hidden = check_norm_args(x, residual, weight, eps)
+    check_tensor("residual", residual)  # unit stride along hidden
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
     if not 0 < hidden <= MAX_NORM_HIDDEN:
         raise ValueError(f"hidden size {hidden} must be in 1..{MAX_NORM_HIDDEN}")
     if x.numel() > slot:
         raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {slot}")
-    check_tensor("residual", residual, dtypes=(x.dtype,), last_dim_contiguous=True)
-    if residual.shape != x.shape:
-        raise ValueError(
-            f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}; they must match"
-        )
-    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, shape={0: hidden})
-    if eps <= 0:
-        raise ValueError(f"eps={eps} must be > 0")
     world = _check_exchange(rank, data_addrs, flag_addrs, epochs, abort, x.is_cuda)
     check_same_device(
         _one_shot_all_reduce_rms_norm_kernel, x=x, residual=residual, weight=weight,
         data_addrs=data_addrs, flag_addrs=flag_addrs, epochs=epochs, errors=errors,
     )  # fmt: skip
     rows = x.view(-1, hidden)
-    res_rows = residual.reshape(-1, hidden)
-    if res_rows.stride(-1) != 1:
-        res_rows = res_rows.contiguous()
+    res_rows = as_rows(residual)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     residual_out = torch.empty_like(x)
     block = next_power_of_2(hidden)
@@ -325,7 +319,7 @@ def one_shot_all_reduce_rms_norm(
         rows, res_rows, weight, out, residual_out, data_addrs, flag_addrs, epochs, errors,
         abort.data_ptr(), rows.shape[0], res_rows.stride(0), slot, eps, max_spins,
         HIDDEN=hidden, BLOCK=block, GRID=GRID, RANK=rank, WORLD=world,
-        ABORT_POLL=ABORT_POLL_SPINS, num_warps=min(max(block // 256, 1), 16),
+        ABORT_POLL=ABORT_POLL_SPINS, num_warps=row_warps(block),
         **launch_options(_one_shot_all_reduce_rms_norm_kernel, x.device),
     )  # fmt: skip
     return RMSNormOutput(out, residual_out)

@@ -122,8 +122,7 @@ def choose_gemv_launch(
 ) -> GemvLaunch:
     """The launch `gemv` makes for `num_n` outputs of `num_k` inputs: each None takes its
     default (a tuned shape's, else by `num_n`, the tile no wider than `num_k` needs); the
-    rest are validated
-    (`ValueError` naming the bad value)."""
+    rest are validated (`ValueError` naming the bad value)."""
     default = _TUNED.get((num_n, num_k)) or (
         _WIDE if num_n >= _WIDE_N else _NARROW if num_n <= _NARROW_N else _MIDDLE
     )

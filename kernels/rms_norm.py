@@ -58,15 +58,50 @@ def _rms_norm_kernel(
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    mean_square = tl.sum(h * h, 0) / HIDDEN
-    normed = (h * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * w.to(tl.float32)
+    out = rms_norm_row(x, w, eps, HIDDEN)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def rms_norm_row(x, w, eps, HIDDEN: tl.constexpr):
+    """One row `x` (the activation dtype, zeros past HIDDEN) normalised and scaled by `w`,
+    in float32: the mean square in float32, the normalised row rounded to x's dtype, then
+    the weight, as the PyTorch layer rounds."""
+    h = x.to(tl.float32)
+    mean_square = tl.sum(h * h, 0) / HIDDEN
+    normed = (h * tl.rsqrt(mean_square + eps)).to(x.dtype)
+    return normed.to(tl.float32) * w.to(tl.float32)
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that holds one row of `block` elements."""
+    return min(max(block // 256, 1), 16)
+
+
+def check_norm_args(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> int:
+    """Raise `ValueError` unless `x` (floating, with a hidden dimension), `residual` (None,
+    or x's shape and dtype), `weight` (`[hidden]`) and `eps` (> 0) suit a norm; returns the
+    hidden size."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=False)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    hidden = x.shape[-1]
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, shape={0: hidden})
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), last_dim_contiguous=False)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}; they must match"
+            )
+    if eps <= 0:
+        raise ValueError(f"eps={eps} must be > 0")
+    return hidden
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as `[num_rows, hidden]` with unit stride along hidden, a view when possible."""
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
@@ -75,27 +110,16 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> RMSNormOutput | torch.Tensor:
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=False)
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension")
-    hidden = x.shape[-1]
-    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, shape={0: hidden})
+    hidden = check_norm_args(x, residual, weight, eps)
     tensors = {"x": x, "weight": weight}
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), last_dim_contiguous=False)
-        if residual.shape != x.shape:
-            raise ValueError(
-                f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}; they must match"
-            )
         tensors["residual"] = residual
     check_same_device(_rms_norm_kernel, **tensors)
-    if eps <= 0:
-        raise ValueError(f"eps={eps} must be > 0")
-    x_rows = _as_rows(x)
+    x_rows = as_rows(x)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     out_rows = out.view(-1, hidden)
     if residual is not None:
-        r_rows = _as_rows(residual)
+        r_rows = as_rows(residual)
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         ro_rows = residual_out.view(-1, hidden)
     else:
@@ -117,7 +141,7 @@ def _launch(
             HIDDEN=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=row_warps(block),
             **launch_options(_rms_norm_kernel, x.device),
         )
     return out if residual_out is None else RMSNormOutput(out, residual_out)
