@@ -43,6 +43,23 @@ _MIDDLE = (8, 512, 4, 2)
 # Exact shapes (N, K) whose sweep beat the defaults above: one rank's layers of
 # Llama-3.1-8B at tensor_parallel_size=2 (benchmarks/results/2026-12-01-gemv-tp2-shapes-
 # h200.jsonl), where the narrower weights want fewer features per program.
+_prefetch_bytes = 0
+
+
+def set_prefetch_bytes(num_bytes: int) -> None:
+    """About how many weight bytes each launch asks L2 for before its wait (under PDL)."""
+    global _prefetch_bytes
+    _prefetch_bytes = int(num_bytes)
+
+
+def _prefetch_tiles_for(num_n: int, num_k: int, block_k: int, esize: int, pdl: dict) -> int:
+    if not pdl.get("PDL") or _prefetch_bytes <= 0:
+        return 0
+    tiles = _prefetch_bytes // (num_n * block_k * esize)
+    tiles = min(tiles, cdiv(num_k, block_k) - 1)
+    return 0 if tiles < 1 else 1 << (tiles.bit_length() - 1)
+
+
 _TUNED = {
     (3072, 4096): (8, 1024, 8, 3),  # q|k|v: 6.79 us against 7.78
     (4096, 2048): (8, 1024, 4, 4),  # o_proj: 4.43 against 4.84
@@ -65,11 +82,15 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    if PREFETCH > 0:
+        _prefetch_tiles(w_ptr, offs_n, N, K, stride_wn, BLOCK_K, PREFETCH, LINE)
     # The weights are no kernel's output: the first tile streams in while the previous
     # kernel of the step still runs (under PDL), before the wait for its `x`.
     w = _load_weight_tile(rows, offs_k, offs_n, N, K, EVEN_N, EVEN_K)
@@ -83,6 +104,25 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _prefetch_tiles(w_ptr, offs_n, N, K, stride_wn, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                    LINE: tl.constexpr):
+    """Ask L2 for the weight tiles after the first (`PREFETCH` of them), one request per
+    `LINE` elements (128 bytes), without waiting for them."""
+    ks = BLOCK_K + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE
+    ks = tl.where(ks < K, ks, 0)
+    ns = tl.where(offs_n < N, offs_n, 0)
+    ptrs = w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -174,6 +214,7 @@ def gemv(
         check_same_device(_gemv_kernel, x=x, weight=weight)
     cfg = choose_gemv_launch(num_n, num_k, **launch)
     y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
+    pdl = launch_options(_gemv_kernel, x.device)
     _gemv_kernel[(cdiv(num_n, cfg.block_n),)](
         x2,
         weight,
@@ -187,9 +228,11 @@ def gemv(
         EVEN_K=num_k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        PREFETCH=_prefetch_tiles_for(num_n, num_k, cfg.block_k, x.element_size(), pdl),
+        LINE=128 // x.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(_gemv_kernel, x.device),
+        **pdl,
     )
     return y[0] if squeeze else y
 

@@ -33,13 +33,20 @@ import gpu_generate as g  # noqa: E402
 from batchlm.engine import SamplingParams  # noqa: E402
 from batchlm.engine.worker import sampler  # noqa: E402
 
-VARIANTS = {  # name: (tensor_parallel_size, BATCHLM_FUSED_ALL_REDUCE_NORM, two-pass argmax)
-    "tp1": (1, "0", True),
-    "tp1-plain-argmax": (1, "0", False),
-    "tp2": (2, "0", True),
-    "tp2-fused-norm": (2, "1", True),
-    "tp2-plain-argmax": (2, "0", False),
+VARIANTS = {  # name: (tensor_parallel_size, environment, two-pass argmax)
+    "tp1": (1, {}, True),
+    "tp1-plain-argmax": (1, {}, False),
+    "tp1-prefetch8": (1, {"BATCHLM_GEMV_PREFETCH_MB": "8"}, True),
+    "tp1-prefetch16": (1, {"BATCHLM_GEMV_PREFETCH_MB": "16"}, True),
+    "tp1-prefetch32": (1, {"BATCHLM_GEMV_PREFETCH_MB": "32"}, True),
+    "tp1-early": (1, {"BATCHLM_PDL_EARLY": "1"}, True),
+    "tp1-early-prefetch16": (1, {"BATCHLM_PDL_EARLY": "1", "BATCHLM_GEMV_PREFETCH_MB": "16"}, True),
+    "tp1-early-prefetch32": (1, {"BATCHLM_PDL_EARLY": "1", "BATCHLM_GEMV_PREFETCH_MB": "32"}, True),
+    "tp2": (2, {}, True),
+    "tp2-fused-norm": (2, {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1"}, True),
+    "tp2-plain-argmax": (2, {}, False),
 }
+KNOBS = sorted({k for _, env, _ in VARIANTS.values() for k in env})
 
 
 def main() -> int:
@@ -61,8 +68,10 @@ def main() -> int:
     tokens: dict[str, list[int]] = {}
     out = open(args.out, "w") if args.out else None
     for name in names:
-        tp, fused, use_two_pass = VARIANTS[name]
-        os.environ["BATCHLM_FUSED_ALL_REDUCE_NORM"] = fused
+        tp, env, use_two_pass = VARIANTS[name]
+        for knob in KNOBS:
+            os.environ.pop(knob, None)
+        os.environ.update(env)
         sampler.row_argmax = two_pass if use_two_pass else (lambda x: x.argmax(dim=-1))
         llm = g.make_llm(folder, engine_args, max_num_seqs=16, tensor_parallel_size=tp)
         g.run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -71,6 +80,7 @@ def main() -> int:
         rec = dict(
             variant=name,
             tensor_parallel_size=tp,
+            env=env,
             ms_per_token=[round(secs / 256 * 1e3, 3) for secs, _ in runs],
             tokens_equal_tp1=tokens[name] == tokens.get("tp1", tokens[name]),
             tokens_equal_tp2=tokens[name] == tokens.get("tp2", tokens[name]),
