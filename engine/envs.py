@@ -74,12 +74,6 @@ def programmatic_launch_early() -> bool:
     return _switch("BATCHLM_PDL_EARLY", False)
 
 
-def gemv_prefetch_mb() -> float:
-    """BATCHLM_GEMV_PREFETCH_MB: megabytes of weights a one-row product asks L2 for before
-    it waits for the previous kernel (default 0)."""
-    return float(os.environ.get("BATCHLM_GEMV_PREFETCH_MB", "0") or 0)
-
-
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

@@ -29,7 +29,14 @@ from .launch import (
 )
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
+__all__ = [
+    "GemvLaunch",
+    "choose_gemv_launch",
+    "gemv",
+    "gemv_ref",
+    "gemv_silu_and_mul",
+    "gemv_silu_and_mul_ref",
+]
 
 # Defaults by output features, from the launch sweep on an H200 (bench_gemv.py, bf16,
 # Llama-3.1-8B shapes): wide layers (gate|up, the LM head) stream short tiles deeply
@@ -43,23 +50,6 @@ _MIDDLE = (8, 512, 4, 2)
 # Exact shapes (N, K) whose sweep beat the defaults above: one rank's layers of
 # Llama-3.1-8B at tensor_parallel_size=2 (benchmarks/results/2026-12-01-gemv-tp2-shapes-
 # h200.jsonl), where the narrower weights want fewer features per program.
-_prefetch_bytes = 0
-
-
-def set_prefetch_bytes(num_bytes: int) -> None:
-    """About how many weight bytes each launch asks L2 for before its wait (under PDL)."""
-    global _prefetch_bytes
-    _prefetch_bytes = int(num_bytes)
-
-
-def _prefetch_tiles_for(num_n: int, num_k: int, block_k: int, esize: int, pdl: dict) -> int:
-    if not pdl.get("PDL") or _prefetch_bytes <= 0:
-        return 0
-    tiles = _prefetch_bytes // (num_n * block_k * esize)
-    tiles = min(tiles, cdiv(num_k, block_k) - 1)
-    return 0 if tiles < 1 else 1 << (tiles.bit_length() - 1)
-
-
 _TUNED = {
     (3072, 4096): (8, 1024, 8, 3),  # q|k|v: 6.79 us against 7.78
     (4096, 2048): (8, 1024, 4, 4),  # o_proj: 4.43 against 4.84
@@ -82,15 +72,11 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    if PREFETCH > 0:
-        _prefetch_tiles(w_ptr, offs_n, N, K, stride_wn, BLOCK_K, PREFETCH, LINE)
     # The weights are no kernel's output: the first tile streams in while the previous
     # kernel of the step still runs (under PDL), before the wait for its `x`.
     w = _load_weight_tile(rows, offs_k, offs_n, N, K, EVEN_N, EVEN_K)
@@ -107,22 +93,46 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _prefetch_tiles(w_ptr, offs_n, N, K, stride_wn, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                    LINE: tl.constexpr):
-    """Ask L2 for the weight tiles after the first (`PREFETCH` of them), one request per
-    `LINE` elements (128 bytes), without waiting for them."""
-    ks = BLOCK_K + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE
-    ks = tl.where(ks < K, ks, 0)
-    ns = tl.where(offs_n < N, offs_n, 0)
-    ptrs = w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _gemv_silu_and_mul_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [2 * D, K]: the gate's rows, then the up projection's
+    b_ptr,  # [2 * D] (read when HAS_BIAS)
+    y_ptr,  # [D]
+    D,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Row r of the tile is feature r // 2 of this program, of the gate (r even) or of the up
+    # projection (r odd), so that the two sums of a feature end up side by side.
+    r = tl.arange(0, 2 * BLOCK_N)
+    feature = tl.program_id(0) * BLOCK_N + r // 2
+    offs_n = feature + (r % 2) * D
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    bound = D + (r % 2) * D  # rows past a projection's D features are masked
+    w = _load_weight_tile(rows, offs_k, offs_n, bound, K, EVEN_N, EVEN_K)
+    wait_for_previous_kernel(PDL)
+    acc = w.to(tl.float32) * _load_x_tile(x_ptr, offs_k, K, EVEN_K).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        w = _load_weight_tile(rows, ks, offs_n, bound, K, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K).to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=offs_n < bound, other=0.0).to(tl.float32)
+    # Rounded as the two kernels it replaces round: each projection's output to the
+    # activation dtype, then silu, then the product (`kernels/activation.py`).
+    dtype = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_N, 2)))
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    offs_d = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + offs_d, (act * up).to(dtype), mask=offs_d < D)
 
 
 @triton.jit
@@ -214,7 +224,6 @@ def gemv(
         check_same_device(_gemv_kernel, x=x, weight=weight)
     cfg = choose_gemv_launch(num_n, num_k, **launch)
     y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
-    pdl = launch_options(_gemv_kernel, x.device)
     _gemv_kernel[(cdiv(num_n, cfg.block_n),)](
         x2,
         weight,
@@ -228,13 +237,83 @@ def gemv(
         EVEN_K=num_k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        PREFETCH=_prefetch_tiles_for(num_n, num_k, cfg.block_k, x.element_size(), pdl),
-        LINE=128 // x.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl,
+        **launch_options(_gemv_kernel, x.device),
     )
     return y[0] if squeeze else y
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    **launch: int | None,
+) -> torch.Tensor:
+    """`silu(g) * u` where `[g | u] = x @ weight.T (+ bias)`, for one row, in one kernel:
+    the merged gate and up projection of a gated MLP followed by its activation. Each
+    program computes the gate and the up sums of the same features, so the `2 * D` wide
+    product never goes to memory. Rounds as `gemv` followed by `silu_and_mul`.
+
+    Args:
+        x: `[1, K]` (or `[K]`), with unit stride.
+        weight: `[2 * D, K]`, the gate's D rows then the up projection's, same dtype as x,
+            unit stride along K (not the previous kernel's output, as for `gemv`).
+        bias: `[2 * D]` or None.
+        **launch: overrides as for `gemv`; `block_n` counts rows of the weight (a program
+            computes `block_n // 2` features), so the defaults are those of the `[2 * D, K]`
+            product.
+
+    Returns:
+        `[1, D]` (or `[D]`) in x's dtype.
+    """
+    squeeze = x.dim() == 1
+    x2 = x[None] if squeeze else x
+    check_tensor("x", x2, ndim=2, dtypes=FLOAT_DTYPES)
+    if x2.shape[0] != 1:
+        raise ValueError(f"gemv takes one row; x has shape {tuple(x.shape)} (use F.linear)")
+    num_k = x2.shape[1]
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={1: num_k})
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"weight has {weight.shape[0]} rows: the gate and up projections need an even count"
+        )
+    num_d = weight.shape[0] // 2
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, shape={0: 2 * num_d})
+        check_same_device(_gemv_silu_and_mul_kernel, x=x, weight=weight, bias=bias)
+    else:
+        check_same_device(_gemv_silu_and_mul_kernel, x=x, weight=weight)
+    cfg = choose_gemv_launch(2 * num_d, num_k, **launch)
+    if cfg.block_n < 2:
+        raise ValueError(f"block_n={cfg.block_n} must be at least 2 (a gate and an up row)")
+    features = cfg.block_n // 2
+    y = torch.empty((1, num_d), dtype=x.dtype, device=x.device)
+    _gemv_silu_and_mul_kernel[(cdiv(num_d, features),)](
+        x2,
+        weight,
+        bias if bias is not None else y,
+        y,
+        num_d,
+        num_k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_N=num_d % features == 0,
+        EVEN_K=num_k % cfg.block_k == 0,
+        BLOCK_N=features,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_options(_gemv_silu_and_mul_kernel, x.device),
+    )
+    return y[0] if squeeze else y
+
+
+def gemv_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The same in PyTorch: the float32 product rounded to x's dtype, then silu (rounded),
+    then the product with the up half."""
+    g, u = gemv_ref(x, weight, bias).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g).to(x.dtype).float() * u).to(x.dtype)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -57,7 +57,7 @@ def launch_options(kernel: object, device: torch.device) -> dict[str, bool]:
         and not is_interpreted(kernel)
         and _capability(device)[0] in _ARCHS
     )
-    return {"PDL": 2 if _early else 1, "launch_pdl": True} if on else {"PDL": 0}
+    return {"PDL": 2 if _early else True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit

@@ -144,10 +144,9 @@ class ModelRunner:
         )
         """Bytes this process held on the device before this engine (other engines)."""
         if self.device.type == "cuda":
-            from batchlm.kernels import gemv as gemv_kernels, pdl
+            from batchlm.kernels import pdl
 
             pdl.set_enabled(envs.programmatic_launch(), envs.programmatic_launch_early())
-            gemv_kernels.set_prefetch_bytes(int(envs.gemv_prefetch_mb() * 2**20))
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend)
