@@ -68,12 +68,6 @@ def programmatic_launch() -> bool:
     return _switch("BATCHLM_PDL", True)
 
 
-def programmatic_launch_early() -> bool:
-    """BATCHLM_PDL_EARLY: `1` lets each kernel of a step place the next one as soon as its
-    programs start, before its own wait (default off)."""
-    return _switch("BATCHLM_PDL_EARLY", False)
-
-
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

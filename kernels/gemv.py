@@ -29,14 +29,7 @@ from .launch import (
 )
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = [
-    "GemvLaunch",
-    "choose_gemv_launch",
-    "gemv",
-    "gemv_ref",
-    "gemv_silu_and_mul",
-    "gemv_silu_and_mul_ref",
-]
+__all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
 # Defaults by output features, from the launch sweep on an H200 (bench_gemv.py, bf16,
 # Llama-3.1-8B shapes): wide layers (gate|up, the LM head) stream short tiles deeply
@@ -90,49 +83,6 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-@triton.jit
-def _gemv_silu_and_mul_kernel(
-    x_ptr,  # [K]
-    w_ptr,  # [2 * D, K]: the gate's rows, then the up projection's
-    b_ptr,  # [2 * D] (read when HAS_BIAS)
-    y_ptr,  # [D]
-    D,
-    K,
-    stride_wn,
-    HAS_BIAS: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Row r of the tile is feature r // 2 of this program, of the gate (r even) or of the up
-    # projection (r odd), so that the two sums of a feature end up side by side.
-    r = tl.arange(0, 2 * BLOCK_N)
-    feature = tl.program_id(0) * BLOCK_N + r // 2
-    offs_n = feature + (r % 2) * D
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    bound = D + (r % 2) * D  # rows past a projection's D features are masked
-    w = _load_weight_tile(rows, offs_k, offs_n, bound, K, EVEN_N, EVEN_K)
-    wait_for_previous_kernel(PDL)
-    acc = w.to(tl.float32) * _load_x_tile(x_ptr, offs_k, K, EVEN_K).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        w = _load_weight_tile(rows, ks, offs_n, bound, K, EVEN_N, EVEN_K)
-        acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K).to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=offs_n < bound, other=0.0).to(tl.float32)
-    # Rounded as the two kernels it replaces round: each projection's output to the
-    # activation dtype, then silu, then the product (`kernels/activation.py`).
-    dtype = y_ptr.dtype.element_ty
-    gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_N, 2)))
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    offs_d = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + offs_d, (act * up).to(dtype), mask=offs_d < D)
 
 
 @triton.jit
@@ -242,78 +192,6 @@ def gemv(
         **launch_options(_gemv_kernel, x.device),
     )
     return y[0] if squeeze else y
-
-
-def gemv_silu_and_mul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    **launch: int | None,
-) -> torch.Tensor:
-    """`silu(g) * u` where `[g | u] = x @ weight.T (+ bias)`, for one row, in one kernel:
-    the merged gate and up projection of a gated MLP followed by its activation. Each
-    program computes the gate and the up sums of the same features, so the `2 * D` wide
-    product never goes to memory. Rounds as `gemv` followed by `silu_and_mul`.
-
-    Args:
-        x: `[1, K]` (or `[K]`), with unit stride.
-        weight: `[2 * D, K]`, the gate's D rows then the up projection's, same dtype as x,
-            unit stride along K (not the previous kernel's output, as for `gemv`).
-        bias: `[2 * D]` or None.
-        **launch: overrides as for `gemv`; `block_n` counts rows of the weight (a program
-            computes `block_n // 2` features), so the defaults are those of the `[2 * D, K]`
-            product.
-
-    Returns:
-        `[1, D]` (or `[D]`) in x's dtype.
-    """
-    squeeze = x.dim() == 1
-    x2 = x[None] if squeeze else x
-    check_tensor("x", x2, ndim=2, dtypes=FLOAT_DTYPES)
-    if x2.shape[0] != 1:
-        raise ValueError(f"gemv takes one row; x has shape {tuple(x.shape)} (use F.linear)")
-    num_k = x2.shape[1]
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={1: num_k})
-    if weight.shape[0] % 2:
-        raise ValueError(
-            f"weight has {weight.shape[0]} rows: the gate and up projections need an even count"
-        )
-    num_d = weight.shape[0] // 2
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, shape={0: 2 * num_d})
-        check_same_device(_gemv_silu_and_mul_kernel, x=x, weight=weight, bias=bias)
-    else:
-        check_same_device(_gemv_silu_and_mul_kernel, x=x, weight=weight)
-    cfg = choose_gemv_launch(2 * num_d, num_k, **launch)
-    if cfg.block_n < 2:
-        raise ValueError(f"block_n={cfg.block_n} must be at least 2 (a gate and an up row)")
-    features = cfg.block_n // 2
-    y = torch.empty((1, num_d), dtype=x.dtype, device=x.device)
-    _gemv_silu_and_mul_kernel[(cdiv(num_d, features),)](
-        x2,
-        weight,
-        bias if bias is not None else y,
-        y,
-        num_d,
-        num_k,
-        weight.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN_N=num_d % features == 0,
-        EVEN_K=num_k % cfg.block_k == 0,
-        BLOCK_N=features,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **launch_options(_gemv_silu_and_mul_kernel, x.device),
-    )
-    return y[0] if squeeze else y
-
-
-def gemv_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The same in PyTorch: the float32 product rounded to x's dtype, then silu (rounded),
-    then the product with the up half."""
-    g, u = gemv_ref(x, weight, bias).float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(g).to(x.dtype).float() * u).to(x.dtype)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -30,22 +30,19 @@ from .launch import _capability, is_interpreted
 __all__ = ["launch_options", "set_enabled", "wait_for_previous_kernel"]
 
 _enabled = True
-_early = False
 # Hopper (sm_90) and data-centre Blackwell (sm_100): where PDL inside CUDA graphs is in wide
 # use. Consumer Blackwell (sm_120) has had graph captures fail with PDL launches elsewhere,
 # so it launches the usual way.
 _ARCHS = (9, 10)
 
 
-def set_enabled(enabled: bool, early: bool = False) -> None:
+def set_enabled(enabled: bool) -> None:
     """Use PDL (the default where the device has it) or not, for kernels launched from now
-    on. CUDA graphs keep the launches they captured. `early`: each kernel lets the next be
-    placed as soon as its programs start, before its own wait."""
-    global _enabled, _early
+    on. CUDA graphs keep the launches they captured."""
+    global _enabled
     if not isinstance(enabled, bool):
         raise ValueError(f"enabled={enabled!r} must be True or False")
     _enabled = enabled
-    _early = bool(early)
 
 
 def launch_options(kernel: object, device: torch.device) -> dict[str, bool]:
@@ -57,16 +54,13 @@ def launch_options(kernel: object, device: torch.device) -> dict[str, bool]:
         and not is_interpreted(kernel)
         and _capability(device)[0] in _ARCHS
     )
-    return {"PDL": 2 if _early else True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
     """Wait until the previous kernel of the stream has completed (its writes visible), then
     let the next one be placed. Nothing when `PDL` is off."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

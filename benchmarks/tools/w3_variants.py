@@ -4,12 +4,8 @@ by side: one engine per variant, each built after its variant is set, three time
 Variants:
   tp1                  tensor_parallel_size=1, the engine as it is
   tp1-plain-argmax     ... with torch.argmax for greedy rows instead of sampler.row_argmax
-  tp1-unfused-mlp      ... with gate|up and SiLU-and-mul as two kernels (gemv_silu_and_mul off)
-  tp1-early            ... with BATCHLM_PDL_EARLY=1
   tp2                  tensor_parallel_size=2 (2 GPUs)
-  tp2-early            ... with BATCHLM_PDL_EARLY=1 (the ranks inherit it)
-  tp2-fused-norm       ... with BATCHLM_FUSED_ALL_REDUCE_NORM=1
-  tp2-fused-norm-early ... with both
+  tp2-fused-norm       ... with BATCHLM_FUSED_ALL_REDUCE_NORM=1 (the ranks inherit it)
   tp2-plain-argmax     ... with torch.argmax (rank 0 samples, so the replacement covers it)
 
 Each record lists the three runs' ms per token and whether the greedy tokens equal those of
@@ -35,33 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_generate as g  # noqa: E402
 
 from batchlm.engine import SamplingParams  # noqa: E402
-from batchlm.engine.models.llama import LlamaMLP  # noqa: E402
 from batchlm.engine.worker import sampler  # noqa: E402
 
-# name: (tensor_parallel_size, environment, replacements in this process). The replacements
-# reach rank 0 only, which runs in this process: "plain-argmax" (rank 0 samples) works at
-# any size, "unfused-mlp" only at tensor_parallel_size=1.
+# name: (tensor_parallel_size, environment (the ranks inherit it), torch.argmax for greedy
+# rows instead of sampler.row_argmax: rank 0 samples, in this process, so the replacement
+# covers every size)
 VARIANTS = {
-    "tp1": (1, {}, ()),
-    "tp1-plain-argmax": (1, {}, ("plain-argmax",)),
-    "tp1-unfused-mlp": (1, {}, ("unfused-mlp",)),
-    "tp1-early": (1, {"BATCHLM_PDL_EARLY": "1"}, ()),
-    "tp2": (2, {}, ()),
-    "tp2-early": (2, {"BATCHLM_PDL_EARLY": "1"}, ()),
-    "tp2-fused-norm": (2, {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1"}, ()),
-    "tp2-fused-norm-early": (
-        2,
-        {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1", "BATCHLM_PDL_EARLY": "1"},
-        (),
-    ),
-    "tp2-plain-argmax": (2, {}, ("plain-argmax",)),
+    "tp1": (1, {}, False),
+    "tp1-plain-argmax": (1, {}, True),
+    "tp2": (2, {}, False),
+    "tp2-fused-norm": (2, {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1"}, False),
+    "tp2-plain-argmax": (2, {}, True),
 }
 KNOBS = sorted({k for _, env, _ in VARIANTS.values() for k in env})
-
-
-def _unfused_mlp(self, x):
-    """LlamaMLP.forward with the merged projection and the activation as two kernels."""
-    return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def main() -> int:
@@ -80,17 +62,14 @@ def main() -> int:
     prompts = g.prompts_of([32], g.LLAMA_8B["vocab_size"], 0)
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     two_pass = sampler.row_argmax
-    mlp_forward = LlamaMLP.forward
     tokens: dict[str, list[int]] = {}
     out = open(args.out, "w") if args.out else None
     for name in names:
-        tp, env, patches = VARIANTS[name]
+        tp, env, plain_argmax = VARIANTS[name]
         for knob in KNOBS:
             os.environ.pop(knob, None)
         os.environ.update(env)
-        plain = "plain-argmax" in patches
-        sampler.row_argmax = (lambda x: x.argmax(dim=-1)) if plain else two_pass
-        LlamaMLP.forward = _unfused_mlp if "unfused-mlp" in patches else mlp_forward
+        sampler.row_argmax = (lambda x: x.argmax(dim=-1)) if plain_argmax else two_pass
         llm = g.make_llm(folder, engine_args, max_num_seqs=16, tensor_parallel_size=tp)
         g.run_batchlm(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True))
         runs = [g.run_batchlm(llm, prompts, params) for _ in range(3)]
@@ -111,7 +90,6 @@ def main() -> int:
         del llm
         g.release()
     sampler.row_argmax = two_pass
-    LlamaMLP.forward = mlp_forward
     return 0
 
 

@@ -15,13 +15,7 @@ from ..attention.backend import AttentionBackend, AttentionMetadata
 from .base import CausalLM
 from .layers.activation import SiluAndMul
 from .layers.attention import Attention
-from .layers.linear import (
-    MergedLinear,
-    lm_head,
-    row_parallel_linear,
-    uses_gemv,
-    vocab_embedding,
-)
+from .layers.linear import MergedLinear, lm_head, row_parallel_linear, vocab_embedding
 from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_spec_from_config
 
@@ -124,14 +118,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.quant_method is None and uses_gemv(x):
-            # One row: the merged projection and the activation in one kernel, which
-            # rounds as the two below.
-            from batchlm.kernels.gemv import gemv_silu_and_mul
-
-            return self.down_proj(gemv_silu_and_mul(x, gate_up.weight, gate_up.bias))
-        return self.down_proj(self.act(gate_up(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -146,7 +146,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from batchlm.kernels import pdl
 
-            pdl.set_enabled(envs.programmatic_launch(), envs.programmatic_launch_early())
+            pdl.set_enabled(envs.programmatic_launch())
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.device.attention_backend)

@@ -177,10 +177,6 @@ def record_all_launches() -> list[_Launch]:
         for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 7168), (1000, 900)]:
             gemv.gemv(torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
     launches += got
-    with recording(gemv, "_gemv_silu_and_mul_kernel") as got:
-        for d, k in [(14336, 4096), (7168, 4096), (37, 100)]:
-            gemv.gemv_silu_and_mul(torch.zeros(1, k, dtype=bf16), torch.zeros(2 * d, k, dtype=bf16))
-    launches += got
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
         quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
     launches += got

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchlm.kernels.activation import silu_and_mul
-from batchlm.kernels.gemv import (
-    choose_gemv_launch,
-    gemv,
-    gemv_ref,
-    gemv_silu_and_mul,
-    gemv_silu_and_mul_ref,
-)
+from batchlm.kernels.gemv import choose_gemv_launch, gemv, gemv_ref
 
 from .helpers import DTYPES, ON_GPU, gpu_only
 
@@ -94,76 +87,6 @@ def test_launch_defaults_follow_the_width_and_overrides_are_checked():
     for bad in ({"block_n": 12}, {"block_k": 8}, {"num_warps": 3}, {"num_stages": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             choose_gemv_launch(64, 64, **bad)
-
-
-@pytest.mark.parametrize(
-    ("num_d", "num_k", "launch"),
-    [
-        (32, 64, {"block_k": 32}),  # even, several tiles
-        (37, 100, {"block_k": 32}),  # ragged D and K
-        (3, 500, {}),  # fewer features than a program's block
-        (20, 48, {"block_n": 2, "block_k": 16, "num_warps": 2, "num_stages": 1}),
-        gpu_only(14336, 4096, {}),  # Llama-3.1-8B's gate|up, at TP=1 and TP=2
-        gpu_only(7168, 4096, {}),
-        gpu_only(4864, 896, {}),  # Qwen2.5-0.5B's
-    ],
-)
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gemv_silu_and_mul_rounds_as_the_two_kernels(num_d, num_k, launch, bias, dtype, device):
-    """Bit for bit the product kernel followed by the activation kernel (the same float32
-    sums, rounded at the same points), and close to the float32 reference."""
-    gen = torch.Generator().manual_seed(num_d * 7 + num_k)
-    x = torch.randn(1, num_k, generator=gen).to(dtype).to(device)
-    w = (torch.randn(2 * num_d, num_k, generator=gen) * 2 / num_k**0.5).to(dtype).to(device)
-    b = torch.randn(2 * num_d, generator=gen).to(dtype).to(device) if bias else None
-    y = gemv_silu_and_mul(x, w, b, **launch)
-    two_kernels = silu_and_mul(gemv(x, w, b, **launch))
-    assert y.shape == (1, num_d) and y.dtype == dtype
-    assert torch.equal(y, two_kernels)
-    _check(y, gemv_silu_and_mul_ref(x, w, b))
-    assert torch.equal(gemv_silu_and_mul(x[0], w, b, **launch), y[0])  # a 1-d row
-
-
-def test_gemv_silu_and_mul_refuses_what_it_would_misread(device):
-    x = torch.randn(1, 32, device=device)
-    with pytest.raises(ValueError, match="9 rows.*even"):
-        gemv_silu_and_mul(x, torch.randn(9, 32, device=device))
-    with pytest.raises(ValueError, match="one row"):
-        gemv_silu_and_mul(torch.randn(2, 32, device=device), torch.randn(8, 32, device=device))
-    with pytest.raises(ValueError, match="bias"):
-        gemv_silu_and_mul(x, torch.randn(8, 32, device=device), torch.randn(4, device=device))
-    with pytest.raises(ValueError, match="block_n=1"):
-        gemv_silu_and_mul(x, torch.randn(8, 32, device=device), block_n=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="the layer routes to the kernel on CUDA only")
-def test_llama_mlp_takes_the_fused_kernel_for_one_row(monkeypatch):
-    """One row goes through `gemv_silu_and_mul` and equals the layers run one by one; a
-    batch goes through the layers."""
-    from types import SimpleNamespace
-
-    from batchlm.engine.models.llama import LlamaMLP
-    from batchlm.kernels import gemv as gemv_module
-
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return gemv_silu_and_mul(*args, **kwargs)
-
-    monkeypatch.setattr(gemv_module, "gemv_silu_and_mul", counted)
-
-    config = SimpleNamespace(hidden_size=256, intermediate_size=384)
-    mlp = LlamaMLP(config).to("cuda", torch.bfloat16)
-    for p in mlp.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    for rows in (1, 3):
-        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
-        by_layers = mlp.down_proj(mlp.act(mlp.gate_up_proj(x)))
-        assert torch.equal(mlp(x), by_layers)
-    assert calls == [1]
 
 
 @pytest.mark.gpu

@@ -31,15 +31,10 @@ if TYPE_CHECKING:
     from .quant import LinearMethod
 
 
-def uses_gemv(x: torch.Tensor) -> bool:
-    """Whether `linear` takes the Triton matrix-vector kernel for `x`: one half-precision
-    row on CUDA (a decode step at batch 1), where it reads the weight faster than cuBLAS."""
-    return x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """`F.linear`, or the matrix-vector kernel where `uses_gemv(x)`."""
-    if uses_gemv(x):
+    """`F.linear`, or for one half-precision row on CUDA (a decode step at batch 1) the
+    Triton matrix-vector kernel, which reads the weight faster than cuBLAS there."""
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x):
         from batchlm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
