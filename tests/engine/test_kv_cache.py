@@ -48,11 +48,11 @@ def decode(manager: KVCacheManager, request: Request, token_id: int) -> list[int
 
 def free_queue(manager: KVCacheManager) -> list[int]:
     """Free block ids, the next to be evicted first."""
-    return list(manager.pool.free_queue)
+    return manager.pool.free_block_ids()
 
 
 def ref_cnts(manager: KVCacheManager) -> list[int]:
-    return [block.ref_cnt for block in manager.pool.blocks]
+    return [manager.pool.ref_cnt(i) for i in range(manager.pool.num_blocks)]
 
 
 def hashed(manager: KVCacheManager, request_id: str) -> list[bool]:
@@ -76,6 +76,28 @@ def test_fresh_pool_hands_out_block_ids_in_order():
     assert pool.num_free_blocks == 0
     with pytest.raises(ValueError, match="cannot allocate 1 blocks, 0 free"):
         pool.allocate(1)
+
+
+def test_blocks_come_into_being_on_first_use_in_the_order_of_a_full_queue():
+    """A pool of millions of blocks holds objects only for the blocks used so far, and
+    hands out ids in the order a queue holding every id from the start would: unused ids
+    first, then freed blocks, least recently freed first."""
+    pool = BlockPool(50_000_000, enable_caching=True)
+    assert pool.num_free_blocks == 50_000_000 and pool.blocks == []
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2] and len(pool.blocks) == 3
+    pool.free([a[2], a[0]])
+    assert pool.num_free_blocks == 50_000_000 - 1
+    assert [pool.ref_cnt(i) for i in range(5)] == [0, 1, 0, 0, 0]
+    assert [b.block_id for b in pool.allocate(2)] == [3, 4] and len(pool.blocks) == 5
+    small = BlockPool(6, enable_caching=True)
+    blocks = small.allocate(3)
+    small.free([blocks[2], blocks[0]])
+    assert small.free_block_ids() == [3, 4, 5, 2, 0]
+    # The never-used blocks go before the freed ones, which follow least recently freed
+    # first.
+    assert [b.block_id for b in small.allocate(4)] == [3, 4, 5, 2]
+    assert small.free_block_ids() == [0] and len(small.blocks) == 6
 
 
 def test_fresh_manager_hands_out_block_ids_in_order():
