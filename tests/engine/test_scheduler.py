@@ -75,11 +75,12 @@ def ids(requests) -> list[str]:
 
 
 def ref_cnts(scheduler: Scheduler) -> list[int]:
-    return [block.ref_cnt for block in scheduler.kv_cache.pool.blocks]
+    pool = scheduler.kv_cache.pool
+    return [pool.ref_cnt(i) for i in range(pool.num_blocks)]
 
 
 def free_queue(scheduler: Scheduler) -> list[int]:
-    return list(scheduler.kv_cache.pool.free_queue)
+    return scheduler.kv_cache.pool.free_block_ids()
 
 
 def test_prefill_then_decode_until_max_tokens():
