@@ -236,11 +236,7 @@ def one_shot_all_reduce(
         max_spins: Polls of a peer's flag before giving up.
     """
     check_tensor("x", x, dtypes=DTYPES, last_dim_contiguous=False)
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
-    if x.numel() > slot:
-        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {slot}")
-    world = _check_exchange(rank, data_addrs, flag_addrs, epochs, abort, x.is_cuda)
+    world = _check_exchange(x, rank, data_addrs, flag_addrs, epochs, abort, slot)
     check_same_device(
         _one_shot_all_reduce_kernel,
         x=x, data_addrs=data_addrs, flag_addrs=flag_addrs, epochs=epochs, errors=errors,
@@ -256,14 +252,19 @@ def one_shot_all_reduce(
     return x
 
 
-def _check_exchange(rank, data_addrs, flag_addrs, epochs, abort, on_cuda: bool) -> int:
-    """Validate the buffers and counters both kernels share; returns the world size."""
+def _check_exchange(x, rank, data_addrs, flag_addrs, epochs, abort, slot: int) -> int:
+    """Validate what both kernels ask of `x` (contiguous, at most `slot` elements) and the
+    buffers and counters they share; returns the world size."""
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    if x.numel() > slot:
+        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {slot}")
     world = data_addrs.numel()
     if not 0 <= rank < world or flag_addrs.numel() != world:
         raise ValueError(f"rank {rank} of {world} ranks, {flag_addrs.numel()} flag arrays")
     check_tensor("epochs", epochs, ndim=1, dtypes=(torch.int32,), shape={0: GRID})
     check_tensor("abort", abort, ndim=1, dtypes=(torch.int32,), shape={0: 1})
-    if on_cuda and not abort.is_pinned():
+    if x.is_cuda and not abort.is_pinned():
         raise ValueError("abort must be in page-locked host memory (tensor.pin_memory())")
     return world
 
@@ -299,13 +300,9 @@ def one_shot_all_reduce_rms_norm(
     """
     hidden = check_norm_args(x, residual, weight, eps)
     check_tensor("residual", residual)  # unit stride along hidden
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
     if not 0 < hidden <= MAX_NORM_HIDDEN:
         raise ValueError(f"hidden size {hidden} must be in 1..{MAX_NORM_HIDDEN}")
-    if x.numel() > slot:
-        raise ValueError(f"x has {x.numel()} elements; the peer buffers hold {slot}")
-    world = _check_exchange(rank, data_addrs, flag_addrs, epochs, abort, x.is_cuda)
+    world = _check_exchange(x, rank, data_addrs, flag_addrs, epochs, abort, slot)
     check_same_device(
         _one_shot_all_reduce_rms_norm_kernel, x=x, residual=residual, weight=weight,
         data_addrs=data_addrs, flag_addrs=flag_addrs, epochs=epochs, errors=errors,

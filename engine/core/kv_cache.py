@@ -81,16 +81,15 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             if len(self.blocks) < self.num_blocks:
-                block = KVBlock(len(self.blocks), ref_cnt=1)
+                block = KVBlock(len(self.blocks))
                 self.blocks.append(block)
-                out.append(block)
-                continue
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+            else:
+                block_id, _ = self.free_queue.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.block_hash is not None:
+                    if self.cached.get(block.block_hash) is block:
+                        del self.cached[block.block_hash]
+                    block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
         return out
