@@ -89,9 +89,12 @@ class LLM(PoolingMixin):
         Args:
             method: The name of a `Worker` method (`batchlm.engine.worker.worker`), or a
                 callable called as `method(worker, *args, **kwargs)`; it reaches spawned
-                ranks pickled (cloudpickle when installed, so lambdas work).
+                ranks by value (cloudpickle: lambdas and the calling script's functions
+                work).
             timeout: Seconds to wait for the other ranks' answers (TimeoutError past it);
-                rank 0 runs in this thread. None waits as long as the ranks live.
+                rank 0 runs in this thread, which cannot interrupt it, so its own call
+                raises TimeoutError on return if it overran. None waits as long as the
+                ranks live.
             args: Positional arguments after the worker.
             kwargs: Keyword arguments.
 

@@ -5,6 +5,13 @@ runner's own `execute_model`, with nothing in between. `MultiprocExecutor` keeps
 this process and spawns ranks 1..N-1: rank 0's runner sends each step's inputs down a pipe
 to every other rank before its forward, and the ranks meet in the forward's collectives.
 
+Spawned ranks do not run the calling script again: multiprocessing's spawn start imports
+the parent's `__main__` module in each child (as `__mp_main__`), so a script that builds its
+`LLM` at top level, with no `if __name__ == "__main__":` guard, would build another in every
+rank and fail. The ranks start as from an interactive session instead (`_script_hidden`):
+they need nothing from the script, since what reaches them travels by value (the engine
+configuration, and `collective_rpc`'s callables through cloudpickle).
+
 A failed rank never leaves the driver hanging: before each step the driver polls the
 workers' pipes and process sentinels (one `select`), a rank's exception arrives as a
 message, a dead rank breaks the gloo collectives at once (for NCCL a watchdog thread
@@ -13,12 +20,14 @@ aborts the group), and every wait on a worker has a timeout or a liveness check.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -164,7 +173,8 @@ class MultiprocExecutor(Executor):
                     name=f"batchlm-tp-rank{rank}",
                     daemon=True,
                 )
-                process.start()
+                with _script_hidden():
+                    process.start()
                 child.close()
                 self._workers.append(_WorkerHandle(rank, process, parent))
             for w in self._workers:
@@ -213,18 +223,24 @@ class MultiprocExecutor(Executor):
                     "(BATCHLM_TP_TIMEOUT_S)"
                 )
             ready = connection.wait([w.conn, w.process.sentinel], timeout=remaining)
+            got = payload = None
             if w.conn in ready:
-                got, payload = w.conn.recv()
+                try:
+                    got, payload = w.conn.recv()
+                except (EOFError, OSError):  # it exited: its pipe closed with nothing in it
+                    pass
                 if got == kind:
                     return payload
                 if got == FATAL:
                     raise EngineDeadError(
                         f"tensor-parallel rank {w.rank} failed to start:\n{payload}"
                     )
-            elif ready:
+            if ready and got is None:
+                w.process.join(2.0)  # the sentinel fires just before the exit status is set
                 raise EngineDeadError(
                     f"tensor-parallel rank {w.rank} exited while starting "
-                    f"({_exit_status(w.process)})"
+                    f"({_exit_status(w.process)}); its own error, if any, is in this "
+                    "process's stderr above"
                 )
 
     def _while_watching(self, fn: Callable[[], Any]) -> Any:
@@ -358,7 +374,8 @@ class MultiprocExecutor(Executor):
         """Call `method` on every rank's worker; results in rank order.
 
         Rank 0's call runs in this thread once the other ranks have theirs; `timeout`
-        bounds the wait for the other ranks' answers (TimeoutError past it).
+        bounds the wait for the other ranks' answers (TimeoutError past it), and rank 0's
+        own call is checked against it when it returns, as with one rank.
         """
         self.check_health()
         args, kwargs = tuple(args), dict(kwargs or {})
@@ -372,6 +389,13 @@ class MultiprocExecutor(Executor):
             self._fail(e)
             raise
         results = [call_method(self.driver_worker, method, args, kwargs)]
+        if deadline is not None and time.monotonic() > deadline:
+            # As with one rank: this thread cannot interrupt its own call, so it checks after.
+            # The other ranks' answers to this call are dropped when the next call reads.
+            raise TimeoutError(
+                f"collective_rpc({_name(method)}) took longer than timeout={timeout} s "
+                "on rank 0 (this process)"
+            )
         for w in self._workers:
             results.append(self._wait_result(w, call_id, deadline, timeout, _name(method)))
         return results
@@ -502,6 +526,25 @@ def _release(runner: Any) -> None:
         runner.model = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _script_hidden():
+    """While a rank's process starts: the main module looks like an interactive session's
+    (no `__file__`, no `__spec__`), so multiprocessing's spawn does not import it in the
+    child. Restored on exit."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _exit_status(process: Any) -> str:

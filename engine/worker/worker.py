@@ -70,8 +70,9 @@ def call_method(worker: Worker, method: str | Callable, args: tuple, kwargs: dic
 
 
 def dumps_call(message: Any) -> bytes:
-    """Pickle a message that may hold a callable: cloudpickle (lambdas, closures) when
-    installed, else pickle (module-level functions only)."""
+    """Pickle a message that may hold a callable: cloudpickle (lambdas, closures, the
+    calling script's functions by value), else, in an install without batchlm's
+    dependencies, pickle (functions of importable modules only)."""
     try:
         import cloudpickle
     except ImportError:

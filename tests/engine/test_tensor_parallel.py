@@ -5,9 +5,13 @@ an interpreter start (a few seconds), so engines are shared where the test allow
 from __future__ import annotations
 
 import gc
+import json
+import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +19,8 @@ import torch
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.errors import EngineDeadError, InvalidParamError
+from batchlm.engine.worker.executor import MultiprocExecutor, _WorkerHandle
+from batchlm.engine.worker.worker import STARTED
 
 from ..conftest import TINY_COMMON
 
@@ -182,6 +188,71 @@ def test_collective_rpc_timeout(llama_tp2):
     )
     assert tokens(llama_tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(expected)
     assert llama_tp2.collective_rpc(lambda w: w.rank, timeout=30) == [0, 1]
+    # Rank 0 runs in this process and cannot be interrupted: its overrun is raised on return,
+    # even when every other rank answered in time; those answers are then dropped.
+    with pytest.raises(TimeoutError, match="rank 0"):
+        llama_tp2.collective_rpc(lambda w: time.sleep(1.0 if w.rank == 0 else 0), timeout=0.5)
+    assert llama_tp2.collective_rpc(lambda w: w.rank, timeout=30) == [0, 1]
+
+
+# A vLLM-style script: the LLM built at top level, no `if __name__ == "__main__":` guard, and
+# a collective_rpc callable defined in the script itself (it reaches rank 1 by value).
+UNGUARDED_SCRIPT = """
+import json, os, sys
+from batchlm.engine import LLM, SamplingParams
+
+with open(sys.argv[2], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+def rank_and_pid(worker):
+    return [worker.rank, os.getpid()]
+
+
+llm = LLM(sys.argv[1], max_model_len=128, tensor_parallel_size=2, gpu_memory_utilization=0.4)
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(
+    temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print(json.dumps({
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "ranks": llm.collective_rpc(rank_and_pid),
+    "worker_pids": llm.llm_engine.executor.worker_pids,
+}))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once(llama_tp2, tmp_path):
+    """The spawned rank does not run the calling script again (it would build a second LLM
+    there and die at start-up), and a function of the script reaches it by value."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    runs = tmp_path / "runs.txt"
+    done = subprocess.run(
+        [sys.executable, str(script), llama_tp2.engine_args.model, str(runs), json.dumps(PROMPTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(runs.read_text().split()) == 1  # the script's top level ran in one process
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == tokens(llama_tp2.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert got["ranks"][0][0] == 0 and got["ranks"][1] == [1, got["worker_pids"][0]]
+
+
+def test_a_rank_that_exits_before_its_first_message_is_named():
+    """A rank can die before it says anything (its interpreter failed to boot): the driver
+    reports its rank and exit status, not the empty pipe's EOFError."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=os._exit, args=(3,), daemon=True)
+    process.start()
+    child.close()
+    driver = MultiprocExecutor.__new__(MultiprocExecutor)
+    driver.timeout_s = 30.0
+    with pytest.raises(EngineDeadError, match=r"rank 1 exited while starting \(exit code 3\)"):
+        driver._expect(_WorkerHandle(1, process, parent), STARTED)
+    parent.close()
 
 
 def test_shutdown_ends_every_worker(llama_tp2):
