@@ -68,6 +68,19 @@ LLAMA_8B = dict(
     bos_token_id=128000,
     eos_token_id=128001,
 )
+# One rank's share of LLAMA_8B at tensor_parallel_size=2 as a model of its own (half the
+# query and KV heads, of the MLP and of the vocabulary): on one GPU, the per-rank work of
+# W3-tp2 without any communication.
+LLAMA_8B_RANK_SHARE = dict(
+    LLAMA_8B,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=14336 // 2,
+    vocab_size=128256 // 2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 QWEN_05B = dict(
     architectures=["Qwen2ForCausalLM"],
     model_type="qwen2",

@@ -50,7 +50,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_generate import LLAMA_8B, SMOKE, prompts_of  # noqa: E402
+from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, SMOKE, prompts_of  # noqa: E402
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
@@ -66,7 +66,7 @@ def write_random_llama(shape: dict, folder: Path, dtype: torch.dtype, device: st
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(shape, torch_dtype=str(dtype).removeprefix("torch."))
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = hidden // shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
     q_size = shape["num_attention_heads"] * head_dim
     kv_size = shape["num_key_value_heads"] * head_dim
     gen = torch.Generator(device=device).manual_seed(0)
@@ -453,16 +453,25 @@ def main() -> int:
         "--host-profile", action="store_true", help="also cProfile rank 0 over the steps"
     )
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
+    ap.add_argument(
+        "--rank-share",
+        action="store_true",
+        help="one rank's share of the model at tensor_parallel_size=2, as a model of its own",
+    )
     args = ap.parse_args()
     is_cuda = torch.cuda.is_available()
     if not is_cuda and not args.smoke:
         print("profile_decode: needs a CUDA GPU (or --smoke for tiny shapes on CPU)")
         return 0
-    shape = dict(LLAMA_8B, **SMOKE, bos_token_id=1, eos_token_id=2) if args.smoke else LLAMA_8B
+    shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
+    if args.smoke:
+        shape = dict(shape, **SMOKE, bos_token_id=1, eos_token_id=2, head_dim=None)
     dtype = torch.bfloat16 if is_cuda else torch.float32
     lines = [
         f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
-        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape, random weights, {dtype}, "
+        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape"
+        f"{' (one rank share at tensor_parallel_size=2)' if args.rank_share else ''}, "
+        f"random weights, {dtype}, "
         f"tensor_parallel_size={args.tensor_parallel_size}",
     ]
     print(lines[0], flush=True)
