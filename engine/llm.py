@@ -53,7 +53,13 @@ class LLM(PoolingMixin):
         self._enqueued: list[str] = []
         # Runs once: on shutdown(), when the LLM is garbage collected, or at exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
-        self.llm_engine.start_metrics_server()
+        try:
+            self.llm_engine.start_metrics_server()
+        except BaseException:
+            # The half-built LLM is unreachable, but the traceback keeps it alive: free its
+            # model, KV cache and worker processes now.
+            self._finalizer()
+            raise
 
     # ---- housekeeping -----------------------------------------------------------------
 

@@ -335,7 +335,14 @@ class EngineMetrics:
         """
         from prometheus_client import start_http_server
 
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:  # most often: the port is taken (by another engine?)
+            raise OSError(
+                e.errno,
+                f"metrics_port={port} cannot be served on {addr}: {e.strerror}; pass another "
+                "port, or metrics_port=0 for any free one",
+            ) from e
         self._http_server = server
         self.http_port = int(server.server_address[1])
         logger.info("Prometheus metrics served on port %d", self.http_port)

@@ -11,6 +11,7 @@ import pytest
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.errors import InvalidParamError
+from batchlm.engine.llm_engine import LLMEngine
 from batchlm.engine.metrics import Counter, Gauge, Histogram, Vector
 
 PROMPTS = [list(range(100, 100 + n)) for n in (5, 17, 33, 9)]
@@ -184,6 +185,26 @@ def test_http_exposition_serves_prometheus_text(llama):
     llm.shutdown()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_a_taken_metrics_port_is_named_and_the_failed_engine_freed(llama, monkeypatch):
+    first = LLM(llama, max_model_len=128, metrics_port=0)
+    port = first.llm_engine.metrics.http_port
+    shut_down = []
+    real_shutdown = LLMEngine.shutdown
+
+    def shutdown(engine):
+        shut_down.append(engine)
+        real_shutdown(engine)
+
+    monkeypatch.setattr(LLMEngine, "shutdown", shutdown)
+    with pytest.raises(OSError, match=rf"metrics_port={port} .*metrics_port=0"):
+        LLM(llama, max_model_len=128, metrics_port=port)
+    assert len(shut_down) == 1 and shut_down[0].is_shut_down  # at once, not when collected
+    # The engine that holds the port keeps serving.
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert "batchlm:prompt_tokens_total" in urllib.request.urlopen(url, timeout=10).read().decode()
+    first.shutdown()
 
 
 def test_spec_decode_counters_and_per_position_vector(llama):
