@@ -294,11 +294,12 @@ class MultiprocExecutor(Executor):
         """`runner.launch_model`, with a failure (now or when the output is awaited)
         handled like a failed step."""
         self.check_health()
-        try:
-            return _WatchedOutput(self, self.runner.launch_model(scheduler_output))
-        except BaseException as e:
-            self._fail(e)
-            raise
+        with _interrupt_deferred():
+            try:
+                return _WatchedOutput(self, self.runner.launch_model(scheduler_output))
+            except BaseException as e:
+                self._fail(e)
+                raise
 
     def check_health(self) -> None:
         self._check_open()
@@ -526,6 +527,42 @@ def _release(runner: Any) -> None:
         runner.model = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _interrupt_deferred():
+    """Ctrl-C (SIGINT) during the block is raised as KeyboardInterrupt when it ends.
+
+    Launching a step sends its inputs to every rank and runs rank 0's share of the
+    forward's collectives; a step that rank 0 left halfway would leave the other ranks
+    waiting in those collectives, and the engine could only be stopped. Deferred to the end
+    of the launch, an interrupt leaves every rank at the same step, so the LLM stays usable
+    after it, as with one rank. A second Ctrl-C during the block is raised at once (and
+    stops the engine). Only in the main thread under Python's default SIGINT handler: a
+    handler of the application's own is left alone."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    interrupted = False
+
+    def defer(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        interrupted = True
+        logger.warning("interrupt: stopping after this step (Ctrl-C again to stop at once)")
+
+    signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

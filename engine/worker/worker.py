@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
     from .model_runner import ModelRunner
     from .parallel import connect_store, create_tp_group
 
+    # Ctrl-C in a terminal reaches every process of its group: the driver decides what an
+    # interrupt stops (see executor._interrupt_deferred); a rank goes when the driver does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         conn.send((STARTED, os.getpid()))
         device = args.config.device.device

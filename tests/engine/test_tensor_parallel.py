@@ -5,6 +5,7 @@ an interpreter start (a few seconds), so engines are shared where the test allow
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import multiprocessing
 import os
@@ -253,6 +254,58 @@ def test_a_rank_that_exits_before_its_first_message_is_named():
     with pytest.raises(EngineDeadError, match=r"rank 1 exited while starting \(exit code 3\)"):
         driver._expect(_WorkerHandle(1, process, parent), STARTED)
     parent.close()
+
+
+def interrupt_at_launch(llm: LLM, presses: int, at_call: int = 3) -> None:
+    """Ctrl-C as a terminal sends it (SIGINT to this process and to the workers, here
+    `presses` times) while rank 0 launches its `at_call`-th step: after the other ranks got
+    the step, inside rank 0's forward."""
+    runner = llm.llm_engine.executor.runner
+    launch = runner.launch_model
+    calls = itertools.count(1)
+
+    def launch_model(scheduler_output):
+        if next(calls) == at_call:
+            for _ in range(presses):
+                for pid in [*llm.llm_engine.executor.worker_pids, os.getpid()]:
+                    os.kill(pid, signal.SIGINT)
+                time.sleep(0.05)  # the handler runs in this (the main) thread meanwhile
+        return launch(scheduler_output)
+
+    runner.launch_model = launch_model
+
+
+def test_ctrl_c_during_a_step_leaves_every_rank_usable(llama_tp2):
+    """The interrupt is raised once the step is launched on every rank: the generate call
+    stops, and the same LLM then gives the tokens of one rank (as an LLM of one rank does
+    after Ctrl-C)."""
+    interrupt_at_launch(llama_tp2, presses=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llama_tp2.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))
+    finally:
+        del llama_tp2.llm_engine.executor.runner.launch_model
+    assert all(pid_alive(p) for p in llama_tp2.llm_engine.executor.worker_pids)
+    expected = LLM(llama_tp2.engine_args.model, max_model_len=128, **SHARE).generate(
+        PROMPTS, GREEDY, use_tqdm=False
+    )
+    assert tokens(llama_tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(expected)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_at_once(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2, **SHARE)
+    pids = llm.llm_engine.executor.worker_pids
+    interrupt_at_launch(llm, presses=2)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    # Rank 0 left its step halfway: the engine is stopped, with the cause, and its workers
+    # are gone.
+    with pytest.raises(EngineDeadError, match="KeyboardInterrupt"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert wait_gone(pids)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm.shutdown()
 
 
 def test_shutdown_ends_every_worker(llama_tp2):
