@@ -15,7 +15,7 @@ from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
 from .gc_freeze import gc_heap_frozen
-from .inputs import PromptType, check_text, normalize_prompts
+from .inputs import PromptType, check_text, check_unsupported_options, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
 from .metrics import Metric
@@ -137,13 +137,22 @@ class LLM(PoolingMixin):
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order.
 
         Every prompt and parameter is validated before any request starts, so a bad input
         raises without running (or losing) the others.
+
+        Args:
+            use_tqdm: Show a progress bar; a callable (say `functools.partial(tqdm,
+                leave=False)`) makes the bar, as in vLLM.
+            lora_request, priority: vLLM's; only None (LoRA adapters and priority
+                scheduling are not supported).
         """
+        check_unsupported_options(lora_request, priority)
         self._require_generation("generate")
         with gc_heap_frozen():
             request_ids = self._add_prompts(prompts, sampling_params)
@@ -153,19 +162,23 @@ class LLM(PoolingMixin):
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
         """Validate and queue prompts without running them; returns their request ids.
 
         `wait_for_completion()` runs the engine and returns every enqueued request's output.
+        `lora_request` and `priority` as in `generate` (None only).
         """
+        check_unsupported_options(lora_request, priority)
         self._require_generation("enqueue")
         request_ids = self._add_prompts(prompts, sampling_params)
         self._enqueued.extend(request_ids)
         return request_ids
 
     def wait_for_completion(
-        self, output_type: type | None = None, use_tqdm: bool = True
+        self, output_type: type | None = None, use_tqdm: bool | Callable[..., Any] = True
     ) -> list[RequestOutput]:
         """Run until every enqueued request is done; outputs in enqueue order.
 
@@ -184,18 +197,20 @@ class LLM(PoolingMixin):
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template.
 
         Example:
             >>> llm.chat([{"role": "user", "content": "Name three colours."}])
         """
+        check_unsupported_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             chat_template,
@@ -215,8 +230,11 @@ class LLM(PoolingMixin):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
         """`chat`'s inputs, queued like `enqueue`."""
+        check_unsupported_options(lora_request, priority)
         prompts = self._chat_prompts(
             messages,
             chat_template,
@@ -386,11 +404,16 @@ class LLM(PoolingMixin):
             )
         return ids
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        if callable(use_tqdm):
+            bar = use_tqdm(total=len(request_ids), desc="Processed prompts")
+        else:
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start = time.perf_counter()
         num_in = num_out = 0
         try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import envs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, check_text, normalize_prompts
+from .inputs import PromptType, check_text, check_unsupported_options, normalize_prompts
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -65,6 +65,7 @@ class PoolingMixin:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order.
 
@@ -72,6 +73,7 @@ class PoolingMixin:
             >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
+        check_unsupported_options(lora_request)
         start = time.perf_counter()
         runner = self._pooling_runner("embed", "embed")
         with _gc_paused():
@@ -93,8 +95,10 @@ class PoolingMixin:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
+        check_unsupported_options(lora_request)
         start = time.perf_counter()
         runner = self._pooling_runner("classify", "classify")
         with _gc_paused():
@@ -114,6 +118,7 @@ class PoolingMixin:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (data_1, data_2) pair: 1↔1, 1↔N (data_1 is broadcast) or N↔N.
 
@@ -122,6 +127,7 @@ class PoolingMixin:
         """
         from .worker.pooling_runner import PackedInputs
 
+        check_unsupported_options(lora_request)
         start = time.perf_counter()
         runner = self._pooling_runner("score", None)
         left, right = _score_pairs(data_1, data_2)
@@ -171,9 +177,11 @@ class PoolingMixin:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_task: str = "embed",
+        lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
         `classify` or `token_embed` (every token's final hidden state)."""
+        check_unsupported_options(lora_request)
         if pooling_task not in ("embed", "classify", "token_embed"):
             raise InvalidParamError(
                 f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "

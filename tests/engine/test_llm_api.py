@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from tqdm.auto import tqdm
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.errors import (
@@ -256,3 +257,28 @@ def test_constructor_chat_template_from_file(llama, tmp_path):
     assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
     with pytest.raises(InvalidParamError):
         LLM(str(llama), max_model_len=128, chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_vllm_call_options_run_unchanged_at_their_defaults(llm):
+    """vLLM code passes `lora_request=None`, `priority=None` or a tqdm factory: the same
+    tokens as without them; a LoRA adapter or priorities are refused, naming the value."""
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**kwargs, disable=True)
+
+    prompts = ["one two", "three four five"]
+    plain = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=bar, lora_request=None)) == plain
+    assert made and made[0]["total"] == 2
+    llm.enqueue(prompts, GREEDY, lora_request=None, priority=None)
+    assert token_ids(llm.wait_for_completion(use_tqdm=False)) == plain
+    with pytest.raises(InvalidParamError, match="lora_request='my-adapter'.*merge"):
+        llm.generate(prompts, GREEDY, lora_request="my-adapter")
+    with pytest.raises(InvalidParamError, match=r"priority=\[1, 0\]"):
+        llm.enqueue(prompts, GREEDY, priority=[1, 0])
+    with pytest.raises(InvalidParamError, match="lora_request"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, lora_request="my-adapter")
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == plain

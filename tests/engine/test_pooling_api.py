@@ -257,3 +257,16 @@ def test_token_budget_batches_equal_a_greedy_packer():
         assert [b for b, _ in got] == expected
         for b, lens in got:
             assert lens.tolist() == [len(inputs[i].token_ids) for i in b]
+
+
+def test_lora_request_none_is_accepted_and_an_adapter_refused(minilm):
+    plain = [o.outputs.embedding for o in minilm.embed(SENTENCES[:2], use_tqdm=False)]
+    same = minilm.embed(SENTENCES[:2], use_tqdm=False, lora_request=None)
+    assert [o.outputs.embedding for o in same] == plain
+    for call in (
+        lambda: minilm.embed(SENTENCES[:2], lora_request="my-adapter"),
+        lambda: minilm.encode(SENTENCES[:2], lora_request="my-adapter"),
+        lambda: minilm.score(SENTENCES[0], SENTENCES[1:3], lora_request="my-adapter"),
+    ):
+        with pytest.raises(InvalidParamError, match="lora_request='my-adapter'"):
+            call()
