@@ -72,3 +72,20 @@ def make_paged_cache(
         key_cache[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
         value_cache[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     return key_cache.to(device), value_cache.to(device), block_tables.to(device)
+
+
+def all_reduce_inputs(rank: int, calls: list, seed: int) -> list[tuple]:
+    """For the all-reduce tests: this rank's part of every (kind, shape, dtype) call, with
+    the residual and weight that every rank shares for a "norm" call (else None), on CPU."""
+    own = torch.Generator().manual_seed(seed + rank)
+    shared = torch.Generator().manual_seed(seed + 1000)
+    out = []
+    for kind, shape, dtype in calls:
+        if dtype == torch.int64:  # sampled ids, broadcast as sums
+            out.append((torch.randint(-(2**40), 2**40, shape, generator=own), None, None))
+            continue
+        part = (torch.randn(shape, generator=own) * 4).to(dtype)
+        residual = torch.randn(shape, generator=shared).to(dtype)
+        weight = torch.randn(shape[-1], generator=shared).to(dtype)
+        out.append((part, residual, weight) if kind == "norm" else (part, None, None))
+    return out

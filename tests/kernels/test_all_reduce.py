@@ -18,7 +18,7 @@ from batchlm.kernels.all_reduce import (
 )
 from batchlm.kernels.rms_norm import fused_add_rms_norm
 
-from .helpers import ELEMENTWISE_TOLERANCE, ON_GPU, assert_close
+from .helpers import ELEMENTWISE_TOLERANCE, ON_GPU, all_reduce_inputs, assert_close
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU protocol test; on GPUs the TP tests run it")
 
@@ -102,18 +102,7 @@ EPS = 1e-5
 
 def mixed_inputs(rank: int):
     """This rank's parts, and the residual and weight that every rank shares."""
-    gen = torch.Generator().manual_seed(200 + rank)
-    shared = torch.Generator().manual_seed(300)
-    calls = []
-    for kind, shape, dtype in MIXED:
-        if dtype == torch.int64:
-            calls.append((torch.randint(-(2**40), 2**40, shape, generator=gen), None, None))
-            continue
-        part = (torch.randn(shape, generator=gen) * 4).to(dtype)
-        residual = torch.randn(shape, generator=shared).to(dtype)
-        weight = torch.randn(shape[-1], generator=shared).to(dtype)
-        calls.append((part, residual, weight) if kind == "norm" else (part, None, None))
-    return calls
+    return all_reduce_inputs(rank, MIXED, 200)
 
 
 def run_mixed_rank(rank: int, ranks: Ranks):

@@ -17,6 +17,8 @@ from batchlm.engine.worker.peer_all_reduce import MAX_BYTES, PeerAllReduce
 from batchlm.kernels.all_reduce import all_reduce_ref
 from batchlm.kernels.rms_norm import fused_add_rms_norm
 
+from .helpers import all_reduce_inputs
+
 pytestmark = pytest.mark.gpu
 
 EPS = 1e-5
@@ -31,22 +33,6 @@ REPLAYS = 3
 TIMEOUT_S = 120.0
 
 
-def call_inputs(rank: int, calls: list, seed: int) -> list[tuple]:
-    """This rank's part of every call, and the residual and weight all ranks share (CPU)."""
-    own = torch.Generator().manual_seed(seed + rank)
-    shared = torch.Generator().manual_seed(seed + 1000)
-    out = []
-    for kind, shape, dtype in calls:
-        if dtype == torch.int64:
-            out.append((torch.randint(-(2**40), 2**40, shape, generator=own), None, None))
-            continue
-        part = (torch.randn(shape, generator=own) * 4).to(dtype)
-        residual = torch.randn(shape, generator=shared).to(dtype)
-        weight = torch.randn(shape[-1], generator=shared).to(dtype)
-        out.append((part, residual, weight) if kind == "norm" else (part, None, None))
-    return out
-
-
 def run(peer: PeerAllReduce, part, residual, weight) -> list[torch.Tensor]:
     if residual is None:
         return [peer(part)]
@@ -57,13 +43,13 @@ def run_calls(peer: PeerAllReduce, rank: int) -> list[list[torch.Tensor]]:
     """Every call's outputs on this rank (CPU): the eager calls, then each graph replay's."""
     device = peer.device
     results = []
-    for part, residual, weight in call_inputs(rank, CALLS, 100):
+    for part, residual, weight in all_reduce_inputs(rank, CALLS, 100):
         move = [t.to(device) if t is not None else None for t in (part, residual, weight)]
         results.append([t.cpu() for t in run(peer, *move)])
     # One graph of a sum and a norm, replayed over new inputs copied into its buffers.
     static = [
         [t.to(device) if t is not None else None for t in inputs]
-        for inputs in call_inputs(rank, GRAPH_CALLS, 200)
+        for inputs in all_reduce_inputs(rank, GRAPH_CALLS, 200)
     ]
     for inputs in static:  # compiled outside the capture (both ranks alike)
         run(peer, *[t.clone() if t is not None else None for t in inputs])
@@ -73,7 +59,9 @@ def run_calls(peer: PeerAllReduce, rank: int) -> list[list[torch.Tensor]]:
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         outs = [run(peer, *inputs) for inputs in static]
     for replay in range(REPLAYS):
-        for buffers, new in zip(static, call_inputs(rank, GRAPH_CALLS, 300 + replay), strict=True):
+        for buffers, new in zip(
+            static, all_reduce_inputs(rank, GRAPH_CALLS, 300 + replay), strict=True
+        ):
             for buf, t in zip(buffers, new, strict=True):
                 if buf is not None:
                     buf.copy_(t)
@@ -105,7 +93,9 @@ def expected_outputs() -> list[list[torch.Tensor]]:
     plan = [(CALLS, 100)] + [(GRAPH_CALLS, 300 + r) for r in range(REPLAYS)]
     out = []
     for calls, seed in plan:
-        for a, b in zip(call_inputs(0, calls, seed), call_inputs(1, calls, seed), strict=True):
+        for a, b in zip(
+            all_reduce_inputs(0, calls, seed), all_reduce_inputs(1, calls, seed), strict=True
+        ):
             total = all_reduce_ref([a[0].cuda(), b[0].cuda()])
             if a[1] is None:
                 out.append([total.cpu()])
