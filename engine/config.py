@@ -246,8 +246,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype) -> torch.dtype | N
 
 
 def config_torch_dtype(hf_config: Any) -> torch.dtype | None:
-    """The dtype a checkpoint's config declares, if any."""
-    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    """The dtype a checkpoint's config declares, if any (`dtype`; `torch_dtype` in
+    transformers before 4.56, read only where it is a plain attribute: later versions
+    keep it as a deprecated alias of `dtype` that logs a warning when read)."""
+    value = getattr(hf_config, "dtype", None)
+    if value is None:
+        value = vars(hf_config).get("torch_dtype")
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):

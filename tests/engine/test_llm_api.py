@@ -88,6 +88,27 @@ def test_dtype_auto_is_float32_on_cpu(llm):
     assert llm.llm_engine.config.model.dtype == torch.float32
 
 
+def test_config_dtype_is_read_without_the_deprecated_alias():
+    """transformers 5 keeps `torch_dtype` as an alias of `dtype` that logs a deprecation
+    warning when read: a config without a dtype must not read it; an older config that
+    stores `torch_dtype` itself is still understood."""
+    from batchlm.engine.config import config_torch_dtype
+
+    class Current:
+        dtype = None
+
+        @property
+        def torch_dtype(self):
+            raise AssertionError("read the deprecated alias")
+
+    class Older:
+        def __init__(self) -> None:
+            self.torch_dtype = "bfloat16"
+
+    assert config_torch_dtype(Current()) is None
+    assert config_torch_dtype(Older()) is torch.bfloat16
+
+
 def test_revision_picks_a_local_snapshot(llama, tmp_path, monkeypatch):
     repo = tmp_path / "hub" / "models--acme--tiny"
     for rev, commit in (("main", "a" * 40), ("v2", "b" * 40)):
