@@ -229,4 +229,7 @@ def build_model(
         load_weights(model, iter_checkpoint(folder), packed)
         if method is not None:
             finish_quantization(model, method, quantization)
+    # An inference engine's weights never need gradients; as in vLLM, a tensor read from
+    # the model (say through collective_rpc) is then plain data, free to cross processes.
+    model.requires_grad_(False)
     return model.eval()

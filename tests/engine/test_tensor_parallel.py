@@ -172,6 +172,14 @@ def test_collective_rpc_runs_on_every_rank(llama_tp2):
         kwargs={"scale": 10},
     )
     assert shapes == [(0, 1280), (1, 1280)]  # 2 × 128 / 2 rows per rank, times 10
+    # Tensors, views of the weights included, come back as data: each rank's half of a
+    # row-parallel weight (its input columns) is that slice of the checkpoint's.
+    from safetensors.torch import load_file
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    full = load_file(os.path.join(llama_tp2.engine_args.model, "model.safetensors"))[name]
+    halves = llama_tp2.collective_rpc(lambda w, n: w.model.get_parameter(n)[:4], args=(name,))
+    assert torch.equal(torch.cat(halves, dim=1), full[:4])
     # A failing call names its rank; the engine keeps serving.
     with pytest.raises(RuntimeError, match="rank 1"):
         llama_tp2.collective_rpc(lambda w: 1 / (1 - w.rank))
