@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -138,14 +139,23 @@ def stable_hash(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def unknown_keys(unknown: Sequence[str], valid: Sequence[str]) -> str:
+    """`'k' (did you mean 'key'?), ...; valid keys: ...` for keys that are not in `valid`."""
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), valid, n=1)
+        hints.append(f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k))
+    return f"{', '.join(hints)}; valid keys: {', '.join(sorted(valid))}"
+
+
 def _build_params(cls: type, values: Mapping[str, Any] | None, name: str) -> Any:
     values = dict(values or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
+    # The constructor's own arguments, not derived fields (`_stop_strs`, token ids of
+    # `bad_words`).
+    known = [f.name for f in fields(cls) if f.init and not f.name.startswith("_")]
+    unknown = sorted(set(values) - set(known))
     if unknown:
-        raise RowContractError(
-            f"{name} has unknown key(s) {unknown}; valid keys: {', '.join(sorted(known))}"
-        )
+        raise RowContractError(f"{name} has unknown key(s) {unknown_keys(unknown, known)}")
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

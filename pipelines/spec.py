@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -31,7 +30,7 @@ from typing import Any, Union
 import yaml
 
 from batchlm.operators.config import OperatorConfig
-from batchlm.operators.rows import TASKS, RowContractError
+from batchlm.operators.rows import TASKS, RowContractError, unknown_keys
 
 RUNNERS = ("local", "ray", "spark")
 FORMATS = ("auto", "parquet", "jsonl", "csv")
@@ -330,15 +329,8 @@ def _hint_name(hint: Any) -> str:
 
 def _check_keys(data: dict[str, Any], valid: Sequence[str], where: str) -> None:
     unknown = [k for k in data if k not in valid]
-    if not unknown:
-        return
-    hints = []
-    for k in unknown:
-        close = difflib.get_close_matches(str(k), valid, n=1)
-        hints.append(f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k))
-    raise JobSpecError(
-        f"unknown key(s) in {where}: {', '.join(hints)}; valid keys: {', '.join(sorted(valid))}"
-    )
+    if unknown:
+        raise JobSpecError(f"unknown key(s) in {where}: {unknown_keys(unknown, valid)}")
 
 
 def _type_name(value: Any) -> str:

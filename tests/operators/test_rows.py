@@ -132,8 +132,13 @@ def test_spec_validation():
         RowSpec(task="generate", sampling_params={"n": 2})
     with pytest.raises(RowContractError, match="not task='embed'"):
         RowSpec(task="embed", sampling_params={"max_tokens": 3})
-    with pytest.raises(RowContractError, match=r"unknown key\(s\) \['max_token'\]"):
+    with pytest.raises(
+        RowContractError, match=r"unknown key\(s\) 'max_token' \(did you mean 'max_tokens'\?\)"
+    ) as e:
         RowSpec(task="generate", sampling_params={"max_token": 3})
+    valid = str(e.value).split("valid keys: ")[1].split(", ")
+    assert "temperature" in valid and "_stop_strs" not in valid  # no derived fields
+    assert "bad_words_token_ids" not in valid
     spec = RowSpec(task="generate", sampling_params=SAMPLING)
     assert RowSpec(**spec.to_dict()) == spec
     assert spec.fingerprint() == RowSpec(**spec.to_dict()).fingerprint()

@@ -86,7 +86,7 @@ def test_unknown_nested_key(tmp_path, capsys, base, section, key, where):
 def test_unknown_params_key(tmp_path, capsys, base):
     base["pooling_params"] = {"normalise": True}
     err = run(tmp_path, capsys, base)
-    assert "pooling_params has unknown key(s) ['normalise']" in err and "normalize" in err
+    assert "pooling_params has unknown key(s) 'normalise' (did you mean 'normalize'?)" in err
 
 
 def test_unknown_column_role(tmp_path, capsys, base):
