@@ -161,7 +161,7 @@ class EngineArgs:
 
     def _runner_type(self, hf_config: Any) -> str:
         from .errors import UnsupportedModelError
-        from .models.registry import is_generative, pooling_task_of
+        from .models.registry import check_supported, is_generative, pooling_task_of
 
         if self.runner not in ("auto", "generate", "pooling"):
             raise InvalidParamError(
@@ -173,6 +173,7 @@ class EngineArgs:
             )
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else ""
+        check_supported(arch)
         generative = is_generative(arch)
         runner = self.runner
         if runner == "auto":
@@ -445,6 +446,7 @@ def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
     from .errors import UnsupportedModelError
+    from .models.registry import what_is_supported
 
     try:
         raw = json.loads((path / "config.json").read_text())
@@ -458,14 +460,14 @@ def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
             f"{path} declares its own modelling code (auto_map: {sorted(raw['auto_map'])}); "
             "batchlm never runs code shipped with a checkpoint"
             + ("" if trust_remote_code else " (trust_remote_code=True does not change that)")
-            + f". Supported architectures: {', '.join(_supported())}"
+            + f". {what_is_supported()}"
         )
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # transformers' config classes raise all of these on values they do not take.
         raise UnsupportedModelError(
-            f"cannot read {path / 'config.json'}: {e}. Supported architectures: "
-            f"{', '.join(_supported())}"
+            f"cannot read {path / 'config.json'}: {str(e).rstrip('.')}. {what_is_supported()}"
         ) from e
 
 

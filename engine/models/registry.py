@@ -53,6 +53,28 @@ def is_generative(architecture: str) -> bool:
     return architecture in _GENERATIVE
 
 
+def check_supported(architecture: str) -> None:
+    """Raise `UnsupportedModelError` listing what each runner takes if `architecture` can
+    neither generate nor pool."""
+    if architecture in _GENERATIVE or architecture in _POOLING:
+        return
+    if architecture in _DECODER_CLASSIFIERS:
+        return
+    raise UnsupportedModelError(
+        f"architecture {architecture or '(none in config.json)'!r} is not supported. "
+        + what_is_supported()
+    )
+
+
+def what_is_supported() -> str:
+    """The architectures of each runner, as one sentence for error messages."""
+    pooling = sorted([*_POOLING, *_DECODER_CLASSIFIERS, *_GENERATIVE])
+    return (
+        f"Generation takes {', '.join(supported_architectures())}; embed / classify / "
+        f"score take {', '.join(pooling)}"
+    )
+
+
 def pooling_task_of(architecture: str, convert: str) -> str:
     """`embed` or `classify`: what a pooling model of `architecture` does.
 

@@ -139,6 +139,27 @@ def test_skip_tokenizer_init_serves_token_ids_only(llama, llm):
         bare.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
 
+def test_an_unsupported_architecture_names_what_each_runner_takes(llama, tmp_path):
+    import transformers
+
+    folder = tmp_path / "gpt2"
+    transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, architectures=["GPT2LMHeadModel"]
+    ).save_pretrained(folder)
+    with pytest.raises(UnsupportedModelError) as e:
+        LLM(str(folder), skip_tokenizer_init=True)
+    message = str(e.value)
+    assert "'GPT2LMHeadModel' is not supported" in message
+    assert "Generation takes LlamaForCausalLM" in message and "BertModel" in message
+    assert "cannot be used for pooling" not in message
+    # A config.json whose values its transformers class refuses (Falcon computes head_dim).
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon", "head_dim": 8})
+    )
+    with pytest.raises(UnsupportedModelError, match=r"cannot read .*config\.json.*head_dim"):
+        LLM(str(folder), skip_tokenizer_init=True)
+
+
 def test_remote_code_checkpoint_is_refused(llama, tmp_path):
     folder = tmp_path / "custom"
     shutil.copytree(llama, folder)
