@@ -133,6 +133,16 @@ def test_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory, req
     assert wait_gone(pids), "a worker outlived its LLM"
 
 
+def test_smollm2_over_three_ranks_gives_the_greedy_tokens_of_one(smollm2_dir):
+    """SmolLM2's 9 query / 3 KV heads split over 3 ranks (2 is refused, below)."""
+    llm = LLM(str(smollm2_dir), max_model_len=128, tensor_parallel_size=3, **SHARE)
+    assert_same_greedy_tokens(str(smollm2_dir), llm)
+    pids = llm.llm_engine.executor.worker_pids
+    assert len(pids) == 2
+    llm.shutdown()
+    assert wait_gone(pids)
+
+
 def test_head_counts_that_do_not_split_are_refused(smollm2_dir, tiny_model_factory):
     with pytest.raises(InvalidParamError) as e:
         LLM(str(smollm2_dir), tensor_parallel_size=2)
