@@ -56,9 +56,7 @@ def is_generative(architecture: str) -> bool:
 def check_supported(architecture: str) -> None:
     """Raise `UnsupportedModelError` listing what each runner takes if `architecture` can
     neither generate nor pool."""
-    if architecture in _GENERATIVE or architecture in _POOLING:
-        return
-    if architecture in _DECODER_CLASSIFIERS:
+    if architecture in {**_GENERATIVE, **_POOLING, **_DECODER_CLASSIFIERS}:
         return
     raise UnsupportedModelError(
         f"architecture {architecture or '(none in config.json)'!r} is not supported. "
