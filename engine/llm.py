@@ -210,7 +210,6 @@ class LLM(PoolingMixin):
         Example:
             >>> llm.chat([{"role": "user", "content": "Name three colours."}])
         """
-        check_unsupported_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             chat_template,
@@ -219,7 +218,7 @@ class LLM(PoolingMixin):
             continue_final_message,
             tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def enqueue_chat(
         self,
@@ -234,7 +233,6 @@ class LLM(PoolingMixin):
         priority: Sequence[int] | None = None,
     ) -> list[str]:
         """`chat`'s inputs, queued like `enqueue`."""
-        check_unsupported_options(lora_request, priority)
         prompts = self._chat_prompts(
             messages,
             chat_template,
@@ -243,7 +241,7 @@ class LLM(PoolingMixin):
             continue_final_message,
             tools,
         )
-        return self.enqueue(prompts, sampling_params)
+        return self.enqueue(prompts, sampling_params, lora_request=lora_request, priority=priority)
 
     def beam_search(
         self,
