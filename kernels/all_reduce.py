@@ -193,7 +193,7 @@ def _one_shot_all_reduce_rms_norm_kernel(
         flag_addrs_ptr, errors_ptr, abort_addr, pid, epoch, max_spins, RANK, WORLD, ABORT_POLL
     )
     tl.debug_barrier()
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # once, not per row
     for row in range(pid, num_rows, GRID):
         at = row * HIDDEN + offs  # < slot elements: int32 holds it
         acc = tl.zeros([BLOCK], dtype=tl.float32)
