@@ -20,6 +20,7 @@ from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
 from .metrics import Metric
 from .outputs import RequestOutput
+from .pooling_engine import PoolingEngine
 from .sampling_params import SamplingParams
 
 
@@ -48,7 +49,9 @@ class LLM(PoolingMixin):
         if "disable_log_stats" not in kwargs:
             kwargs["disable_log_stats"] = kwargs.get("metrics_port") is None
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
+        config = self.engine_args.create_engine_config()
+        engine_cls = PoolingEngine if config.model.runner_type == "pooling" else LLMEngine
+        self.llm_engine: LLMEngine | PoolingEngine = engine_cls(config)
         self._request_counter = itertools.count()
         self._enqueued: list[str] = []
         # Runs once: on shutdown(), when the LLM is garbage collected, or at exit.
@@ -128,8 +131,10 @@ class LLM(PoolingMixin):
         return self.llm_engine.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block; False while requests are running."""
-        return self.llm_engine.kv_cache.reset_prefix_cache()
+        """Forget every cached prefix block; False while requests are running. A pooling
+        model keeps no KV cache: True, with nothing to forget."""
+        self._check_open()
+        return self.llm_engine.reset_prefix_cache()
 
     # ---- generation -------------------------------------------------------------------
 
@@ -294,14 +299,16 @@ class LLM(PoolingMixin):
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return prompts
 
-    def _require_generation(self, method: str) -> None:
+    def _require_generation(self, method: str) -> LLMEngine:
         self._check_open()
-        if self.llm_engine.pooling_runner is not None:
+        engine = self.llm_engine
+        if not isinstance(engine, LLMEngine):
             raise InvalidParamError(
                 f"{method}() needs a generative model, but this one was loaded for pooling "
-                f"({self.llm_engine.pooling_runner.task}); use embed / classify / score / "
+                f"({engine.pooling_runner.task}); use embed / classify / score / "
                 "encode, or load a *ForCausalLM checkpoint with runner='generate'"
             )
+        return engine
 
     def _require_tokenizer(self, what: str) -> Any:
         tokenizer = self.llm_engine.tokenizer

@@ -1,4 +1,4 @@
-"""The engine loop: scheduler → model runner → output processor, one step at a time."""
+"""The generation engine: scheduler → model runner → output processor, one step at a time."""
 
 from __future__ import annotations
 
@@ -9,22 +9,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .config import EngineConfig
 from .core.kv_cache import KVCacheManager
 from .core.request import Request, RequestStatus
 from .core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from .engine_base import EngineBase
 from .errors import InvalidParamError
-from .metrics import EngineMetrics, FinishedRequestStats
+from .metrics import FinishedRequestStats
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .spec_decode.manager import SpecDecodeManager
-from .tokenizer import load_tokenizer
-from .worker.executor import Executor, create_executor
-from .worker.model_runner import ModelRunner, ModelRunnerOutput, PendingOutput
+from .spec_decode.runner import SpecDecodeRunner
+from .worker.executor import create_executor
+from .worker.model_runner import ModelRunner
+from .worker.runner_output import ModelRunnerOutput, PendingOutput
 
 if TYPE_CHECKING:
-    from .worker.pooling_runner import PoolingRunner
+    from .distributed.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -40,37 +44,31 @@ class _ParentRequest:
     metrics: list[RequestMetrics | None] = field(default_factory=list)
 
 
-class LLMEngine:
-    """Owns one model runner, its scheduler and KV cache manager, and the tokenizer.
+def build_model_runner(
+    config: EngineConfig, tp: TPGroup | None = None, device: torch.device | None = None
+) -> ModelRunner:
+    """One rank's model runner, with speculative decoding attached where `config` asks for
+    it (the executors build every rank's runner with this)."""
+    return SpecDecodeRunner.attach(config, ModelRunner(config, tp=tp, device=device))
+
+
+class LLMEngine(EngineBase):
+    """Owns one model runner (through its executor), its scheduler and KV cache manager,
+    and the tokenizer.
 
     Args:
-        config: Everything the engine is built from.
+        config: Everything the engine is built from (`config.model.runner_type` is
+            `generate`).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        mc = config.model
-        self.tokenizer = (
-            None
-            if mc.skip_tokenizer_init
-            else load_tokenizer(mc.tokenizer_path, mc.trust_remote_code)
-        )
-        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
-        self.vocab_size = int(mc.hf_config.vocab_size)
-        self.pooling_runner: PoolingRunner | None = None
-        self.scheduler: Scheduler | None = None
-        self.metrics: EngineMetrics | None = None
-        """Prometheus metrics; None with `disable_log_stats`."""
-        if not config.disable_log_stats:
-            self.metrics = EngineMetrics(mc.model, mc.max_model_len, self.stats)
-        self.is_shut_down = False
-        if mc.runner_type == "pooling":
-            from .worker.pooling_runner import PoolingRunner
+    runner_type = "generate"
 
-            self.pooling_runner = PoolingRunner(config)
-            self.executor = Executor(self.pooling_runner)
-            return
-        self.executor = create_executor(config)
+    def __init__(self, config: EngineConfig) -> None:
+        self.scheduler: Scheduler | None = None
+        super().__init__(config)
+        mc = config.model
+        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
+        self.executor = create_executor(config, build_model_runner)
         try:
             num_blocks = self._init_kv_cache()
         except BaseException:
@@ -120,28 +118,15 @@ class LLMEngine:
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Run a worker method (by name) or a callable (with the worker first) on every
-        tensor-parallel rank; the results in rank order."""
         return self.executor.collective_rpc(method, timeout, args, kwargs)
 
-    def start_metrics_server(self) -> None:
-        """Serve the metrics over HTTP when `metrics_port` asks for it (after construction,
-        so that a failed engine leaves no server behind)."""
-        if self.metrics is not None and self.config.metrics_port is not None:
-            self.metrics.start_http_server(self.config.metrics_port)
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()
 
-    def shutdown(self) -> None:
-        """Stop the metrics server and every worker process, and free the model and KV
-        cache (idempotent). The engine cannot run afterwards."""
-        if self.is_shut_down:
-            return
-        self.is_shut_down = True
-        if self.metrics is not None:
-            self.metrics.shutdown()
+    def _release(self) -> None:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
-        self.pooling_runner = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -212,7 +197,7 @@ class LLMEngine:
             self._stash.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests()
 
     def stash_output(self, output: RequestOutput) -> None:
         """Keep a finished output that no caller is waiting for yet."""
@@ -347,7 +332,7 @@ class LLMEngine:
     # ---- statistics -------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats | None:
-        """The scheduler's counts (None for pooling models, which have no scheduler)."""
+        """The scheduler's counts (None until the scheduler exists)."""
         return self.scheduler.stats() if self.scheduler is not None else None
 
     def _record_scheduled(self, scheduled: list[ScheduledRequest]) -> None:

@@ -28,6 +28,7 @@ from .outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from .pooling_engine import PoolingEngine
 from .pooling_params import PoolingParams
 from .tokenize_pool import EncodedTexts, TokenizePool, TokenizePoolError
 
@@ -48,7 +49,7 @@ _MAX_AUTO_TOKENIZE_WORKERS = 8
 class PoolingMixin:
     """`LLM`'s pooling methods; they need `llm_engine`, `_next_id` and `_require_tokenizer`."""
 
-    llm_engine: LLMEngine
+    llm_engine: LLMEngine | PoolingEngine
     _tokenize_pool: TokenizePool | None = None
     _tokenize_pool_finalizer: weakref.finalize | None = None
     _is_tokenize_pool_failed: bool = False
@@ -216,13 +217,13 @@ class PoolingMixin:
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
         if self.llm_engine.is_shut_down:
             raise EngineDeadError("this LLM was shut down; build a new one")
-        runner = self.llm_engine.pooling_runner
-        if runner is None:
+        if not isinstance(self.llm_engine, PoolingEngine):
             raise InvalidParamError(
                 f"{method}() needs a pooling model, but this one was loaded to generate; "
                 f"load it with LLM(model, runner='pooling') (a generative checkpoint pools its "
                 "last token: convert='embed')"
             )
+        runner = self.llm_engine.pooling_runner
         if task is not None and runner.task != task:
             hint = (
                 "load a *ForSequenceClassification checkpoint"
@@ -237,8 +238,9 @@ class PoolingMixin:
 
     def _max_input_len(self, truncate_prompt_tokens: int | None) -> int | None:
         """Where inputs are cut: the explicit request, else sentence-transformers' length."""
-        runner = self.llm_engine.pooling_runner
-        max_len = self.llm_engine.config.model.max_model_len
+        engine = self.llm_engine
+        runner = engine.pooling_runner if isinstance(engine, PoolingEngine) else None
+        max_len = engine.config.model.max_model_len
         t = truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise InvalidParamError(

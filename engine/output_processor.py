@@ -7,7 +7,7 @@ from typing import Any
 from .core.request import Request, RequestStatus
 from .outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from .tokenizer import IncrementalDetokenizer
-from .worker.model_runner import ModelRunnerOutput, PromptLogprobsChunk, TokenLogprobs
+from .worker.runner_output import ModelRunnerOutput, PromptLogprobsChunk, TokenLogprobs
 
 
 class RequestState:

@@ -56,8 +56,8 @@ def time_calls(fn, x: torch.Tensor, calls: int, graph: bool) -> float:
 
 
 def rank_main(rank: int, port: int, calls: int, out: str | None) -> None:
-    from batchlm.engine.worker.parallel import connect_store, create_tp_group
-    from batchlm.engine.worker.peer_all_reduce import PeerAllReduce
+    from batchlm.engine.distributed.parallel import connect_store, create_tp_group
+    from batchlm.engine.distributed.peer_all_reduce import PeerAllReduce
     from batchlm.kernels.all_reduce import all_reduce_ref
 
     device = torch.device("cuda", rank)
@@ -103,7 +103,7 @@ def main() -> int:
     if torch.cuda.device_count() < 2:
         print("all_reduce_bench: needs 2 GPUs")
         return 0
-    from batchlm.engine.worker.parallel import create_store
+    from batchlm.engine.distributed.parallel import create_store
 
     store = create_store(2, 120)  # both ranks join it as clients
     port = store.port

@@ -7,7 +7,7 @@ pace. This measures the host's share on this machine's CPU:
 
 - `schedule`: `Scheduler.schedule` with one step in flight (tokens read on the device),
 - `update`: `Scheduler.update_from_output` of the step before,
-- `prepare`: `ModelRunner._prepare_inputs`, block tables gathered from the scheduler's
+- `prepare`: `ModelRunner.prepare_inputs`, block tables gathered from the scheduler's
   table rows, and (`prepare, walking ids`) built from the requests' id lists instead.
 
 Each figure is the fastest of several repeats of many steps (the median is printed too):
@@ -24,8 +24,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
-
 from batchlm.engine.config import SchedulerConfig
 from batchlm.engine.core.kv_cache import KVCacheManager
 from batchlm.engine.core.request import Request
@@ -35,7 +33,7 @@ from batchlm.engine.worker.model_runner import ModelRunner
 
 
 class _LayoutOnly:
-    """The runner fields `ModelRunner._prepare_inputs` reads, without a model."""
+    """The runner fields `ModelRunner.prepare_inputs` reads, without a model."""
 
     spec = None
     num_tokens_from_device = 0
@@ -45,9 +43,6 @@ class _LayoutOnly:
         self.block_size = block_size
         # The step in flight sampled every request (its row in the samples).
         self._last_samples = SimpleNamespace(rows={rid: i for i, rid in enumerate(request_ids)})
-
-    def _prompt_logprobs_rows(self, reqs, qsl):
-        return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
 
 
 def best_and_median(samples: list[float]) -> str:
@@ -83,9 +78,9 @@ def main() -> int:
             t0 = time.perf_counter()
             out = sched.schedule(ahead=True)
             t1 = time.perf_counter()
-            ModelRunner._prepare_inputs(runner, out.scheduled, out.block_table)
+            ModelRunner.prepare_inputs(runner, out.scheduled, out.block_table)
             t2 = time.perf_counter()
-            ModelRunner._prepare_inputs(runner, out.scheduled)
+            ModelRunner.prepare_inputs(runner, out.scheduled)
             t3 = time.perf_counter()
             sampled = {s.request_id: 7 for s in inflight.scheduled if s.needs_sample}
             sched.update_from_output(inflight, sampled)

@@ -75,16 +75,3 @@ class AttentionBackend(ABC):
         then takes `key=None, value=None`). None (the default) when it has not: rotate,
         then call `forward` with the keys and values."""
         return None
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend called `name` (`torch` or `triton`)."""
-    if name == "torch":
-        from .torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from .triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"attention_backend={name!r} is unknown; use 'torch' or 'triton'")

@@ -28,13 +28,8 @@ from torch import nn
 
 from ..config import QuantizationConfig
 from ..errors import InvalidParamError, UnsupportedModelError
-from ..models.layers.linear import MergedLinear
-from ..models.layers.quant import (
-    LINEAR_METHODS,
-    LinearMethod,
-    quantizable_layers,
-    supports_fp8_matmul,
-)
+from ..models.layers.linear import Linear, LinearMethod, MergedLinear
+from ..models.layers.quant import LINEAR_METHODS, supports_fp8_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +175,11 @@ def make_linear_method(
     qc: QuantizationConfig, device: torch.device, dtype: torch.dtype
 ) -> LinearMethod:
     return LINEAR_METHODS[qc.method](device, dtype)
+
+
+def quantizable_layers(model: nn.Module) -> list[tuple[str, Linear]]:
+    """The decoder projections (`Linear` layers): not embeddings, the LM head or norms."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
 
 
 def create_quantized_weights(model: nn.Module, method: LinearMethod, qc: QuantizationConfig):

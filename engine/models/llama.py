@@ -20,7 +20,7 @@ from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_spec_from_config
 
 if TYPE_CHECKING:
-    from ..worker.parallel import TPGroup
+    from ..distributed.parallel import TPGroup
 
 
 def head_dim_of(config: Any) -> int:

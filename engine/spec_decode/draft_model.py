@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import EngineConfig, ParallelConfig
 from ..core.scheduler import ScheduledRequest
 from ..sampling_params import SamplingParams
+from ..worker.model_runner import ModelRunner
 from ..worker.sampler import Sampler, SamplingMetadata
-
-if TYPE_CHECKING:
-    from ..worker.model_runner import ModelRunner
 
 _PLAIN = SamplingParams()  # the draft's forward runs no sampling of its own
 
@@ -42,8 +39,6 @@ class DraftModelProposer:
     """
 
     def __init__(self, config: EngineConfig, device: torch.device, vocab_size: int) -> None:
-        from ..worker.model_runner import ModelRunner
-
         draft_config = dataclasses.replace(
             config,
             model=config.speculative.draft_model,
@@ -125,7 +120,7 @@ class DraftModelProposer:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The draft's KV cache on the target's `num_blocks` block ids (nothing in it yet)."""
-        self.runner._allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
         self.num_computed.clear()
 
     @property
@@ -139,11 +134,11 @@ class DraftModelProposer:
     def _forward(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Run the draft on `reqs`; logits `[num_needing_sample, vocab]` (target's width)."""
         runner = self.runner
-        inputs, _ = runner._prepare_inputs(reqs)
-        hidden = runner._forward(inputs)
+        inputs, _ = runner.prepare_inputs(reqs)
+        hidden = runner.forward(inputs)
         if not len(inputs.sample_rows):
             return torch.empty(0)
-        logits = runner.model.compute_logits(runner._sample_hidden(hidden, inputs))
+        logits = runner.model.compute_logits(runner.sample_hidden(hidden, inputs))
         width = logits.shape[-1]
         if width > self.vocab_size:
             return logits[:, : self.vocab_size]
@@ -165,7 +160,7 @@ class DraftModelProposer:
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1).tolist(), None
         meta = SamplingMetadata.build(params, {}, self.vocab_size, logits.device)
-        probs, _ = Sampler._probs(logits, meta)
+        probs, _ = Sampler.filtered_probs(logits, meta)
         noise = torch.empty_like(probs)
         generators = [generator_for(r) for r in reqs]
         if any(gen is None for gen in generators):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..config import SpeculativeConfig
 from ..core.request import Request
 from ..core.scheduler import Scheduler, SchedulerOutput
-from ..worker.model_runner import ModelRunnerOutput
+from ..worker.runner_output import ModelRunnerOutput
 from .ngram import NgramProposer
 
 PLACEHOLDER_TOKEN_ID = 0

@@ -117,7 +117,7 @@ class RejectionSampler:
         if meta.all_greedy:
             accepted, drawn = greedy_accepted, greedy_ids
         else:
-            probs, _ = Sampler._probs(logits, meta)  # [num_rows, vocab]
+            probs, _ = Sampler.filtered_probs(logits, meta)  # [num_rows, vocab]
             q = self._draft_distribution(probs, safe_drafts, has_draft, reqs, draft_probs)
             p_draft = probs.gather(1, safe_drafts).squeeze(1)
             q_draft = q.gather(1, safe_drafts).squeeze(1)

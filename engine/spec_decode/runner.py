@@ -10,24 +10,33 @@ already filled in by the engine).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..worker.model_runner import ModelRunner
+from ..worker.runner_output import ModelRunnerOutput, token_logprobs_at
+from ..worker.step_buffers import copy_to_host
 from .draft_model import DraftModelProposer
-from .rejection import RejectionSampler, accepted_spans
-
-if TYPE_CHECKING:
-    from ..worker.model_runner import ModelRunner, ModelRunnerOutput
+from .rejection import RejectionSampler, accepted_spans, spec_sample_rows
 
 
 class SpecDecodeRunner:
-    """Args:
-    config: The engine configuration (`config.speculative` set).
-    runner: The target's model runner.
+    """Speculative decoding on a target's runner (the runner's `SpeculativeDecoder`).
+
+    Args:
+        config: The engine configuration (`config.speculative` set).
+        runner: The target's model runner, which this is then handed to (`attach`).
     """
+
+    @classmethod
+    def attach(cls, config: EngineConfig, runner: ModelRunner) -> ModelRunner:
+        """`runner` with speculative decoding when `config` asks for it."""
+        if config.speculative is not None:
+            runner.spec = cls(config, runner)
+        return runner
 
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.runner = runner
@@ -60,9 +69,13 @@ class SpecDecodeRunner:
         self.drafter.forget(out.finished_request_ids)
         self.drafter.propose(
             out.scheduled,
-            lambda r: self.runner._generator_for(r.request_id, r.sampling_params.seed),
+            lambda r: self.runner.request_generators.get(r.request_id, r.sampling_params.seed),
             self.runner.generator,
         )
+
+    def sample_rows(self, reqs: Sequence[ScheduledRequest], qsl: np.ndarray) -> np.ndarray:
+        """The step's rows to score: each sampling request's last token and its drafts."""
+        return spec_sample_rows(reqs, qsl)
 
     def verify(
         self,
@@ -73,8 +86,6 @@ class SpecDecodeRunner:
     ) -> None:
         """Verify the drafts; fill `out.sampled` (first token), `out.spec_tokens` (every
         token gained, for requests with drafts) and the logprobs of each token."""
-        from ..worker.model_runner import TokenLogprobs, _copy_to_host
-
         draft_probs = None
         if self.drafter is not None and self.drafter.draft_probs:
             draft_probs = {
@@ -89,7 +100,7 @@ class SpecDecodeRunner:
         if rows.topk_token_ids is not None:
             named["top_ids"], named["top_lp"] = rows.topk_token_ids, rows.topk_logprobs
         host = {
-            k: v.tolist() for k, v in zip(named, _copy_to_host(list(named.values())), strict=True)
+            k: v.tolist() for k, v in zip(named, copy_to_host(list(named.values())), strict=True)
         }
         ids = host["ids"]
         for r, (first, n) in zip(reqs, accepted_spans(reqs, host["accepted"]), strict=True):
@@ -103,15 +114,7 @@ class SpecDecodeRunner:
             k = r.sampling_params.logprobs
             if k is None or "lp" not in host:
                 continue
-            entries = [
-                TokenLogprobs(
-                    host["lp"][row],
-                    host["ranks"][row],
-                    host["top_ids"][row][:k] if "top_ids" in host else [],
-                    host["top_lp"][row][:k] if "top_lp" in host else [],
-                )
-                for row in range(first, first + n)
-            ]
+            entries = [token_logprobs_at(host, row, k) for row in range(first, first + n)]
             out.logprobs[rid] = entries[0]
             if r.spec_token_ids:
                 out.spec_logprobs[rid] = entries

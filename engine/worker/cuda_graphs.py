@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..config import EngineConfig
 from .step_buffers import (
     StepBuffers,
     StepInputs,
@@ -73,6 +74,17 @@ def row_graph_sizes(max_num_seqs: int, max_num_tokens: int, tokens_per_row: int)
         return graph_batch_sizes(max_num_seqs, max_num_tokens)
     limit = min(max_num_tokens, MAX_GRAPH_BATCH_SIZE) // tokens_per_row
     return graph_batch_sizes(max_num_seqs, limit) if limit >= 1 else []
+
+
+def verify_graph_sizes(config: EngineConfig) -> dict[int, list[int]]:
+    """Graphs besides the decode ones: verification steps of speculative decoding (the
+    last token and k drafts per sequence), as tokens per row → batch sizes."""
+    if config.speculative is None:
+        return {}
+    q = config.speculative.num_speculative_tokens + 1
+    sched = config.scheduler
+    sizes = row_graph_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, q)
+    return {q: sizes} if sizes else {}
 
 
 def is_decode_step(inputs: StepInputs) -> bool:

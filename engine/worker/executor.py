@@ -8,9 +8,10 @@ to every other rank before its forward, and the ranks meet in the forward's coll
 Spawned ranks do not run the calling script again: multiprocessing's spawn start imports
 the parent's `__main__` module in each child (as `__mp_main__`), so a script that builds its
 `LLM` at top level, with no `if __name__ == "__main__":` guard, would build another in every
-rank and fail. The ranks start as from an interactive session instead (`_script_hidden`):
-they need nothing from the script, since what reaches them travels by value (the engine
-configuration, and `collective_rpc`'s callables through cloudpickle).
+rank and fail. The ranks start as from an interactive session instead
+(`worker.script_hidden`): they need nothing from the script, since what reaches them
+travels by value (the engine configuration, and `collective_rpc`'s callables through
+cloudpickle).
 
 A failed rank never leaves the driver hanging: before each step the driver polls the
 workers' pipes and process sentinels (one `select`), a rank's exception arrives as a
@@ -27,19 +28,20 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .. import envs
 from ..config import EngineConfig
+from ..core.scheduler import SchedulerOutput
 from ..errors import EngineDeadError
+from .runner_output import ModelRunnerOutput, PendingOutput
 from .worker import (
     FATAL,
     READY,
@@ -48,11 +50,18 @@ from .worker import (
     STARTED,
     STEP,
     STOP,
+    RankRunner,
+    RunnerFactory,
     Worker,
     WorkerProcessArgs,
+    call_in_process,
     call_method,
     dumps_call,
+    exit_status,
+    method_name,
+    release_runner,
     run_worker_process,
+    script_hidden,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,22 +72,33 @@ FAILURE_REPORT_WAIT_S = 5.0
 SHUTDOWN_GRACE_S = 5.0
 
 
+class StepRunner(RankRunner, Protocol):
+    """What an executor needs of a generative rank's runner (`ModelRunner`)."""
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def launch_model(self, out: SchedulerOutput) -> PendingOutput: ...
+
+
 class Executor:
     """The single rank, in this process.
 
     Args:
-        runner: The rank's model runner (generative or pooling).
+        runner: The rank's generative model runner.
     """
 
     world_size = 1
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self.driver_worker = Worker(runner)
         self.is_shut_down = False
-        if hasattr(runner, "execute_model"):
-            # The engine calls the runner directly: no indirection on the single-rank path.
-            self.execute_model = runner.execute_model
-            self.launch_model = runner.launch_model
+        # The engine calls the runner directly: no indirection on the single-rank path.
+        self.execute_model = runner.execute_model
+        self.launch_model = runner.launch_model
 
     @property
     def runner(self) -> Any:
@@ -103,13 +123,7 @@ class Executor:
         is checked when it returns.
         """
         self._check_open()
-        start = time.monotonic()
-        result = call_method(self.driver_worker, method, tuple(args), dict(kwargs or {}))
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise TimeoutError(
-                f"collective_rpc({_name(method)}) took longer than timeout={timeout} s"
-            )
-        return [result]
+        return [call_in_process(self.driver_worker, method, timeout, args, kwargs or {})]
 
     def check_health(self) -> None:
         """Raise `EngineDeadError` if a rank has failed."""
@@ -119,7 +133,7 @@ class Executor:
         if self.is_shut_down:
             return
         self.is_shut_down = True
-        _release(self.runner)
+        release_runner(self.runner)
 
     def _check_open(self) -> None:
         if self.is_shut_down:
@@ -139,11 +153,12 @@ class MultiprocExecutor(Executor):
 
     Args:
         config: The engine configuration; `config.parallel.tensor_parallel_size` ranks.
+        build_runner: Builds each rank's runner (here for rank 0, in its process for the
+            others).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        from .model_runner import ModelRunner
-        from .parallel import create_store, create_tp_group
+    def __init__(self, config: EngineConfig, build_runner: RunnerFactory) -> None:
+        from ..distributed.parallel import create_store, create_tp_group
 
         self.world_size = config.parallel.tensor_parallel_size
         self.timeout_s = envs.tp_timeout_s()
@@ -165,7 +180,13 @@ class MultiprocExecutor(Executor):
             for rank in range(1, self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
                 args = WorkerProcessArgs(
-                    config, rank, self.world_size, store.port, self.timeout_s, num_threads
+                    config,
+                    build_runner,
+                    rank,
+                    self.world_size,
+                    store.port,
+                    self.timeout_s,
+                    num_threads,
                 )
                 process = ctx.Process(
                     target=run_worker_process,
@@ -173,7 +194,7 @@ class MultiprocExecutor(Executor):
                     name=f"batchlm-tp-rank{rank}",
                     daemon=True,
                 )
-                with _script_hidden():
+                with script_hidden():
                     process.start()
                 child.close()
                 self._workers.append(_WorkerHandle(rank, process, parent))
@@ -183,7 +204,7 @@ class MultiprocExecutor(Executor):
             self._tp = self._while_watching(
                 lambda: create_tp_group(store, 0, self.world_size, device, self.timeout_s, custom)
             )
-            runner = ModelRunner(config, tp=self._tp, device=device)
+            runner = build_runner(config, self._tp, device)
             for w in self._workers:
                 self._expect(w, READY)
         except BaseException:
@@ -239,7 +260,7 @@ class MultiprocExecutor(Executor):
                 w.process.join(2.0)  # the sentinel fires just before the exit status is set
                 raise EngineDeadError(
                     f"tensor-parallel rank {w.rank} exited while starting "
-                    f"({_exit_status(w.process)}); its own error, if any, is in this "
+                    f"({exit_status(w.process)}); its own error, if any, is in this "
                     "process's stderr above"
                 )
 
@@ -336,7 +357,7 @@ class MultiprocExecutor(Executor):
                     w.process.join(2.0)  # the sentinel fires just before the exit status is set
                     report = (
                         f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
-                        f"({_exit_status(w.process)})"
+                        f"({exit_status(w.process)})"
                     )
                 if report is not None:
                     return report
@@ -394,11 +415,11 @@ class MultiprocExecutor(Executor):
             # As with one rank: this thread cannot interrupt its own call, so it checks after.
             # The other ranks' answers to this call are dropped when the next call reads.
             raise TimeoutError(
-                f"collective_rpc({_name(method)}) took longer than timeout={timeout} s "
+                f"collective_rpc({method_name(method)}) took longer than timeout={timeout} s "
                 "on rank 0 (this process)"
             )
         for w in self._workers:
-            results.append(self._wait_result(w, call_id, deadline, timeout, _name(method)))
+            results.append(self._wait_result(w, call_id, deadline, timeout, method_name(method)))
         return results
 
     def _wait_result(
@@ -432,7 +453,7 @@ class MultiprocExecutor(Executor):
                 w.process.join(2.0)  # the sentinel fires just before the exit status is set
                 self._fail_with(
                     f"tensor-parallel rank {w.rank} (pid {w.pid}) died "
-                    f"({_exit_status(w.process)}) during collective_rpc({name})"
+                    f"({exit_status(w.process)}) during collective_rpc({name})"
                 )
             else:
                 raise TimeoutError(
@@ -472,9 +493,9 @@ class MultiprocExecutor(Executor):
                 w.process.kill()
                 w.process.join()
             w.conn.close()
-        runner = getattr(self, "driver_worker", None)
-        if runner is not None:
-            _release(runner.model_runner)
+        worker = getattr(self, "driver_worker", None)
+        if worker is not None:
+            release_runner(worker.model_runner)
         peer = self._tp.peer_all_reduce if self._tp is not None else None
         if peer is not None:
             # The other ranks are gone: nothing may still wait for them, then unmap.
@@ -508,25 +529,11 @@ class _WatchedOutput:
             raise
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def create_executor(config: EngineConfig, build_runner: RunnerFactory) -> Executor:
     """The executor for a generative model's configuration."""
     if config.parallel.tensor_parallel_size == 1:
-        from .model_runner import ModelRunner
-
-        return Executor(ModelRunner(config))
-    return MultiprocExecutor(config)
-
-
-def _release(runner: Any) -> None:
-    """Drop the runner's device tensors so their memory returns to the device."""
-    if hasattr(runner, "decode_graphs"):
-        runner.decode_graphs = None  # its graphs hold their memory pool and the KV cache
-    if hasattr(runner, "kv_caches"):
-        runner.kv_caches = []
-    if getattr(runner, "model", None) is not None:
-        runner.model = None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        return Executor(build_runner(config, None, None))
+    return MultiprocExecutor(config, build_runner)
 
 
 @contextlib.contextmanager
@@ -563,38 +570,3 @@ def _interrupt_deferred():
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupted:
         raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _script_hidden():
-    """While a rank's process starts: the main module looks like an interactive session's
-    (no `__file__`, no `__spec__`), so multiprocessing's spawn does not import it in the
-    child. Restored on exit."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-def _exit_status(process: Any) -> str:
-    code = process.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _name(method: str | Callable) -> str:
-    return repr(method) if isinstance(method, str) else getattr(method, "__name__", repr(method))

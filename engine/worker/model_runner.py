@@ -19,12 +19,10 @@ only rank 0 samples.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,93 +30,44 @@ import numpy as np
 import torch
 
 from .. import envs
-from ..attention.backend import AttentionMetadata, get_attention_backend
+from ..attention.selector import get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
-from ..errors import InvalidParamError
 from ..loader.weights import build_model
 from ..models.registry import get_model_class
-from ..spec_decode.rejection import spec_sample_rows
-from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_graph_sizes
-from .sampler import Sampler, SamplerOutput, SamplingMetadata
+from . import kv_cache_sizing
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
+from .prompt_logprobs import (
+    PromptLogprobsJob,
+    PromptLogprobsRows,
+    prompt_logprobs_rows,
+    prompt_slices,
+    score_prompt,
+    unpack_prompt_logprobs,
+)
+from .runner_output import LOGPROB_KEYS, ModelRunnerOutput, PendingOutput, token_logprobs_at
+from .sampler import (
+    RequestGenerators,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    unpack_sampling_masks,
+)
+from .speculative import SpeculativeDecoder
 from .step_buffers import (
     StepBuffers,
     StepInputs,
+    device_scope,
     fill_tokens,
+    fresh_metadata,
     start_copy_to_host,
     to_device,
 )
 
 if TYPE_CHECKING:
-    from .parallel import TPGroup
+    from ..distributed.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
-
-# CPU default KV budget when neither kv_cache_memory_bytes nor num_gpu_blocks_override is set.
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
-# Most logits elements (rows × vocab) materialised at once when scoring prompt tokens.
-PROMPT_LOGITS_ELEMENTS = 1 << 24
-
-# Device memory kept out of the KV cache for CUDA graphs, on top of their estimated
-# activations (graph bookkeeping, the decode kernel's split buffers).
-CUDA_GRAPH_EXTRA_BYTES = 256 << 20
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled token: its own, its rank, and the top-k alternatives."""
-
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Logprobs of a run of consecutive prompt tokens, scored in one step (a prefill chunk).
-
-    Entry j is for prompt token `start + j`, scored by the logits at the position before it.
-    """
-
-    start: int
-    """Index in the prompt of the first token scored (>= 1: the first token has none)."""
-    logprobs: list[float]
-    ranks: list[int]
-    """Rank of each prompt token among all tokens at its position (1 = most likely)."""
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    """Request id → the new token, for requests that reached their last token."""
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    """Request id → logprobs of the token sampled for it (requests asking for logprobs)."""
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    """Request id → the prompt-logprob chunk computed this step."""
-    sampling_masks: dict[str, list[int]] = field(default_factory=dict)
-    """Request id → sorted ids of the tokens that survived filtering, when the runner's
-    `return_sampling_mask` is on."""
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    """Speculative decoding: request id → every token it gained this step (its accepted
-    draft tokens, then one drawn token), for requests that had draft tokens; `sampled`
-    holds the first."""
-    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    """Logprobs of each token in `spec_tokens` (requests asking for logprobs); `logprobs`
-    holds the first."""
-
-
-@dataclass
-class _PromptLogprobsJob:
-    """Where one request's prompt-logprob positions sit in the step's rows."""
-
-    request_id: str
-    start: int
-    num_positions: int
-    num_top: int
 
 
 class ModelRunner:
@@ -139,7 +88,7 @@ class ModelRunner:
         self.config = config
         self.device = device or config.device.device
         self.tp = tp
-        self._allocated_by_others = (
+        self.allocated_by_others = (
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         """Bytes this process held on the device before this engine (other engines)."""
@@ -169,7 +118,7 @@ class ModelRunner:
         self.kv_dtype = config.cache.cache_dtype or self.dtype
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(self.device).manual_seed(config.model.seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        self.request_generators = RequestGenerators(self.device)
         self.sampler = Sampler(self.generator)
         self.return_sampling_mask = False
         """Return, per sampled token, the ids that survived filtering (set by the engine)."""
@@ -195,12 +144,9 @@ class ModelRunner:
         self.num_tokens_from_device = 0
         """Input tokens read from the previous step's samples on the device (async
         scheduling), over the runner's lifetime."""
-        self.spec = None
-        """Speculative decoding's draft and verification (`spec_decode/runner.py`)."""
-        if config.speculative is not None:
-            from ..spec_decode.runner import SpecDecodeRunner
-
-            self.spec = SpecDecodeRunner(config, self)
+        self.spec: SpeculativeDecoder | None = None
+        """Speculative decoding's draft and verification, handed in once the runner is
+        built (`spec_decode/runner.py`)."""
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -212,115 +158,12 @@ class ModelRunner:
         return own + (self.spec.block_bytes if self.spec is not None else 0)
 
     def determine_num_blocks(self) -> int:
-        """How many KV blocks fit the memory budget."""
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes // self.block_bytes
-        if self.device.type == "cuda":
-            return self._profile_cuda_blocks()
-        sched = self.config.scheduler
-        max_useful = sched.max_num_seqs * -(-self.config.model.max_model_len // self.block_size)
-        return min(DEFAULT_CPU_KV_CACHE_BYTES // self.block_bytes, max_useful)
-
-    @torch.inference_mode()
-    def _profile_cuda_blocks(self) -> int:
-        """Run a forward at the full token budget, then give the KV cache what is left."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        num_tokens = min(
-            self.config.scheduler.max_num_batched_tokens,
-            self.config.scheduler.max_num_seqs * self.config.model.max_model_len,
-        )
-        self._dummy_forward(num_tokens)
-        torch.cuda.synchronize(self.device)
-        # gpu_memory_utilization is this engine's share of the device (as in vLLM): its own
-        # weights, activations and KV cache. The allocator's counters also hold other
-        # engines of this process; they, like other processes, keep what they use, and the
-        # cache takes no more than the device has free.
-        others_here = min(self._allocated_by_others, weights)
-        peak = torch.cuda.max_memory_allocated(self.device) - others_here
-        weights -= others_here
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device) + others_here
-        budget = total * self.config.cache.gpu_memory_utilization - peak
-        graph_reserve = self._cuda_graph_reserve(peak - weights, num_tokens)
-        # Each layer's cache is one allocation: memory the caching allocator keeps in
-        # segments that still hold other tensors cannot take it, so the cache gets no more
-        # than what the device itself has free once the allocator's free segments go back.
-        gc.collect()
-        torch.cuda.empty_cache()
-        device_free, _ = torch.cuda.mem_get_info(self.device)
-        budget = min(budget, device_free)
-        num_blocks = int((budget - graph_reserve) // self.block_bytes)
-        logger.info(
-            "KV cache: %d blocks (%.2f GiB); peak activations + weights %.2f GiB; "
-            "kept for CUDA graphs %.2f GiB",
-            num_blocks,
-            num_blocks * self.block_bytes / 2**30,
-            peak / 2**30,
-            graph_reserve / 2**30,
-        )
-        if num_blocks * self.block_size < self.config.model.max_model_len:
-            util = self.config.cache.gpu_memory_utilization
-            raise InvalidParamError(
-                f"gpu_memory_utilization={util} leaves no room for a KV cache of "
-                f"max_model_len={self.config.model.max_model_len} tokens on {self.device}: "
-                f"{util * total / 2**30:.2f} GiB of {total / 2**30:.2f} GiB allowed, "
-                f"{used_by_others / 2**30:.2f} GiB already used by other processes or "
-                f"engines, {peak / 2**30:.2f} GiB for this engine's weights and activations; "
-                "free the device (shut down other engines), raise gpu_memory_utilization, or "
-                "lower it for the engines that share the device"
-            )
-        return num_blocks
-
-    def _cuda_graph_reserve(self, activation_bytes: int, num_tokens: int) -> int:
-        """Memory the decode graphs will hold: their largest batch's share of the profiled
-        activations, twice over (the graph pool is separate from the eager steps' memory),
-        plus a fixed margin."""
-        if not self.use_cuda_graphs:
-            return 0
-        sched = self.config.scheduler
-        max_size = graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens)[-1]
-        for q, sizes in self._row_graph_sizes().items():
-            max_size = max(max_size, q * sizes[-1])
-        share = max(activation_bytes, 0) * min(1.0, max_size / max(num_tokens, 1))
-        return int(2 * share) + CUDA_GRAPH_EXTRA_BYTES
-
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """A prefill of `num_tokens` tokens with no cache, for profiling: sequences of at most
-        max_model_len tokens (positions past it do not exist), each sampled once."""
-        from ..sampling_params import SamplingParams
-
-        max_len = self.config.model.max_model_len
-        seq_lens = [max_len] * (num_tokens // max_len)
-        if num_tokens % max_len:
-            seq_lens.append(num_tokens % max_len)
-        blocks_per_seq = [-(-n // self.block_size) for n in seq_lens]
-        self._allocate_kv_cache(sum(blocks_per_seq))
-        params = SamplingParams()
-        dummies = []
-        first_block = 0
-        for i, (n, num_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
-            blocks = list(range(first_block, first_block + num_blocks))
-            # The prompt too: a draft model reads the request's tokens from it.
-            tokens = [0] * n
-            dummies.append(
-                ScheduledRequest(
-                    f"__profile{i}__", tokens, 0, blocks, True, params, [], prompt_token_ids=tokens
-                )
-            )
-            first_block += num_blocks
-        self.execute_model(SchedulerOutput(dummies, num_tokens))
-        # The dummies finish: the runner (and a draft model) drop their state.
-        self.execute_model(SchedulerOutput([], 0, {d.request_id for d in dummies}))
-        self.kv_caches = []
+        """How many KV blocks fit the memory budget (`kv_cache_sizing.py`)."""
+        return kv_cache_sizing.determine_num_blocks(self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs on it (when enabled)."""
-        self._allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, final=True)
         if not self.use_cuda_graphs:
@@ -333,7 +176,8 @@ class ModelRunner:
             self.decode_graphs = None
             torch.cuda.synchronize(self.device)  # raises if the device itself is broken
 
-    def _allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks per layer (zeros); drops the graphs on the old ones."""
         self.decode_graphs = None  # graphs read the old tensors' addresses
         self.kv_caches = []
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -343,6 +187,17 @@ class ModelRunner:
         ]
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, final=False)
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache tensors (after the profiling forward)."""
+        self.kv_caches = []
+
+    def release(self) -> None:
+        """Drop every device tensor (graphs, KV cache, model) so their memory returns to
+        the device; the runner cannot run afterwards."""
+        self.decode_graphs = None  # its graphs hold their memory pool and the KV cache
+        self.kv_caches = []
+        self.model = None
 
     @torch.inference_mode()
     def enable_decode_graphs(self, capture: bool = True) -> None:
@@ -364,18 +219,8 @@ class ModelRunner:
             graph_batch_sizes(sched.max_num_seqs, sched.max_num_batched_tokens),
             self.config.model.max_model_len,
             capture=capture,
-            row_sizes=self._row_graph_sizes(),
+            row_sizes=verify_graph_sizes(self.config),
         )
-
-    def _row_graph_sizes(self) -> dict[int, list[int]]:
-        """Graphs besides the decode ones: verification steps of speculative decoding
-        (the last token and k drafts per sequence)."""
-        if self.config.speculative is None:
-            return {}
-        q = self.config.speculative.num_speculative_tokens + 1
-        sched = self.config.scheduler
-        sizes = row_graph_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, q)
-        return {q: sizes} if sizes else {}
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -390,19 +235,23 @@ class ModelRunner:
         The next step may be launched before that (async scheduling): its tokens marked
         PLACEHOLDER_TOKEN are this step's samples, read on the device.
         """
-        for rid in out.finished_request_ids:
-            self.request_generators.pop(rid, None)
+        self.request_generators.forget(out.finished_request_ids)
         if self.spec is not None:
             self.spec.before_forward(out)
         if out.is_empty:
             return PendingOutput.ready(ModelRunnerOutput())
         reqs = out.scheduled
-        inputs, prompt_jobs = self._prepare_inputs(reqs, out.block_table)
+        inputs, prompt_jobs = self.prepare_inputs(reqs, out.block_table)
         if self.step_listener is not None:
             self.step_listener(inputs)
-        hidden = self._forward(inputs)
+        hidden = self.forward(inputs)
         prompt_result = (
-            self._score_prompt(hidden, inputs.prompt_rows, inputs.prompt_targets, prompt_jobs)
+            score_prompt(
+                self.model.compute_logits,
+                hidden,
+                PromptLogprobsRows(prompt_jobs, inputs.prompt_rows, inputs.prompt_targets),
+                self.vocab_size,
+            )
             if prompt_jobs
             else []
         )
@@ -410,11 +259,11 @@ class ModelRunner:
             self._last_samples = None
             return self._to_host([], None, prompt_jobs, prompt_result)
         dev = self.device
-        sample_hidden = self._sample_hidden(hidden, inputs)
+        sample_hidden = self.sample_hidden(hidden, inputs)
         sampled_reqs = [r for r in reqs if r.needs_sample]
         generators = {}
         for row, r in enumerate(sampled_reqs):
-            gen = self._generator_for(r.request_id, r.sampling_params.seed)
+            gen = self.request_generators.get(r.request_id, r.sampling_params.seed)
             if gen is not None:
                 generators[row] = gen
         if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
@@ -447,22 +296,22 @@ class ModelRunner:
     def execute_step_inputs(self, inputs: StepInputs) -> None:
         """A tensor-parallel rank other than 0: rank 0's forward and LM-head calls, in the
         same order, so that every collective pairs up; nothing is sampled."""
-        hidden = self._forward(inputs)
+        hidden = self.forward(inputs)
         dev = self.device
         if len(inputs.prompt_rows):
             rows = to_device(inputs.prompt_rows, dev)
-            for lo, hi in self._prompt_slices(len(inputs.prompt_rows)):
+            for lo, hi in prompt_slices(len(inputs.prompt_rows), self.vocab_size):
                 self.model.compute_logits(hidden[rows[lo:hi]])
         self._last_samples = None
         if len(inputs.sample_rows):
-            self.model.compute_logits(self._sample_hidden(hidden, inputs), upcast=False)
+            self.model.compute_logits(self.sample_hidden(hidden, inputs), upcast=False)
             if self.share_samples:  # rank 0's sampled ids, for the next step's fills
                 ids = torch.empty(len(inputs.sample_rows), dtype=torch.int64, device=dev)
                 self._last_samples = _Samples(self.tp.broadcast(ids), {})
 
-    def _prepare_inputs(
+    def prepare_inputs(
         self, reqs: list[ScheduledRequest], table: np.ndarray | None = None
-    ) -> tuple[StepInputs, list[_PromptLogprobsJob]]:
+    ) -> tuple[StepInputs, list[PromptLogprobsJob]]:
         """Lay the step out as host arrays; the block tables are rows of `table` (the
         scheduler's, rows `block_row`, zeros past each request's blocks) when given."""
         num_seqs = len(reqs)
@@ -499,7 +348,7 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        prompt_jobs, prompt_rows, prompt_targets = self._prompt_logprobs_rows(reqs, qsl)
+        prompt = prompt_logprobs_rows(reqs, qsl)
         fill_rows = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         fill_src = self._fill_sources(reqs, seq_of_token[fill_rows])
         input_ids[fill_rows] = 0  # written on the device
@@ -515,13 +364,13 @@ class ModelRunner:
             # Each sampled sequence's last token (and its draft tokens, if any).
             sample_rows=qsl[1:][sample_seqs] - 1
             if self.spec is None
-            else spec_sample_rows(reqs, qsl),
-            prompt_rows=prompt_rows,
-            prompt_targets=prompt_targets,
+            else self.spec.sample_rows(reqs, qsl),
+            prompt_rows=prompt.rows,
+            prompt_targets=prompt.targets,
             fill_rows=fill_rows,
             fill_src=fill_src,
         )
-        return inputs, prompt_jobs
+        return inputs, prompt.jobs
 
     def _fill_sources(self, reqs: list[ScheduledRequest], seqs: np.ndarray) -> np.ndarray:
         """For each token in flight (of the sequences `seqs`), its row in the previous
@@ -536,14 +385,16 @@ class ModelRunner:
                 f"request {e.args[0]!r} has a token in flight that the last step did not sample"
             ) from None
 
-    def _sample_hidden(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+    def sample_hidden(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The hidden states of the sampled rows `[num_sampled, hidden_size]`."""
         if len(inputs.sample_rows) == len(inputs.input_ids):  # every token: rows in order
             return hidden
         return hidden[to_device(inputs.sample_rows, self.device)]
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
-        with _device_scope(self.device):
+    def forward(self, inputs: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """The model over a laid-out step (a decode graph replayed where one fits); the
+        hidden states of every token."""
+        with device_scope(self.device):
             return self._forward_on_device(inputs)
 
     def _forward_on_device(self, inputs: StepInputs) -> torch.Tensor:
@@ -560,7 +411,7 @@ class ModelRunner:
             metadata = self.buffers.metadata(layout, max_query_len, max_seq_len)
             input_ids, positions = self.buffers.token_inputs(layout)
         else:  # larger than the buffers (never with the scheduler's budgets)
-            metadata = self._fresh_metadata(inputs, max_query_len, max_seq_len)
+            metadata = fresh_metadata(inputs, self.device, max_query_len, max_seq_len)
             input_ids, positions = (
                 to_device(inputs.input_ids, self.device),
                 to_device(inputs.positions, self.device),
@@ -570,102 +421,13 @@ class ModelRunner:
         self.backend.prepare(metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
-    def _fresh_metadata(
-        self, inputs: StepInputs, max_query_len: int, max_seq_len: int
-    ) -> AttentionMetadata:
-        dev = self.device
-        qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
-        return AttentionMetadata(
-            num_seqs=len(seq_lens),
-            num_tokens=len(inputs.input_ids),
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            query_start_loc=to_device(qsl.astype(np.int32), dev),
-            seq_lens=to_device(seq_lens.astype(np.int32), dev),
-            block_tables=to_device(inputs.block_tables.astype(np.int32), dev),
-            slot_mapping=to_device(inputs.slot_mapping, dev),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-
-    # ---- prompt logprobs --------------------------------------------------------------
-
-    @staticmethod
-    def _prompt_logprobs_rows(
-        reqs: list[ScheduledRequest], qsl: np.ndarray
-    ) -> tuple[list[_PromptLogprobsJob], np.ndarray, np.ndarray]:
-        """The step's rows whose logits score a prompt token, and those tokens.
-
-        The logits at position p score token p + 1, so a chunk `[start, end)` scores the
-        prompt tokens `start + 1 .. min(end, num_prompt_tokens - 1)`.
-        """
-        jobs: list[_PromptLogprobsJob] = []
-        rows: list[np.ndarray] = []
-        targets: list[list[int]] = []
-        for i, r in enumerate(reqs):
-            k = r.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            end = min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1)
-            n = end - r.start_pos
-            if n <= 0:
-                continue
-            jobs.append(_PromptLogprobsJob(r.request_id, r.start_pos + 1, n, k))
-            rows.append(qsl[i] + np.arange(n))
-            targets.append(r.prompt_token_ids[r.start_pos + 1 : end + 1])
-        if not jobs:
-            return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
-        flat_targets = np.fromiter((t for ts in targets for t in ts), np.int64)
-        return jobs, np.concatenate(rows), flat_targets
-
-    def _prompt_slices(self, num_rows: int) -> list[tuple[int, int]]:
-        """Row ranges whose `[rows, vocab]` logits are materialised one at a time."""
-        step = max(1, PROMPT_LOGITS_ELEMENTS // self.vocab_size)
-        return [(lo, min(lo + step, num_rows)) for lo in range(0, num_rows, step)]
-
-    def _score_prompt(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        rows: np.ndarray,  # [num_positions]
-        targets: np.ndarray,  # [num_positions]
-        jobs: list[_PromptLogprobsJob],
-    ) -> list[torch.Tensor]:
-        """Logprob and rank of each target token, and the top-k, from the raw logits.
-
-        Computed in slices of rows so the `[rows, vocab]` logits stay bounded whatever the
-        chunk length. Returns `[logprobs, ranks]` plus `[top_ids, top_logprobs]` when a job
-        wants k > 0.
-        """
-        dev = self.device
-        max_k = max(job.num_top for job in jobs)
-        rows_t, targets_t = to_device(rows, dev), to_device(targets, dev)
-        parts: list[list[torch.Tensor]] = []
-        for lo, hi in self._prompt_slices(len(rows)):
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[rows_t[lo:hi]]), dim=-1
-            )  # [n, vocab]
-            target_lp = logprobs.gather(1, targets_t[lo:hi, None]).squeeze(1)
-            part = [target_lp, (logprobs > target_lp[:, None]).sum(-1) + 1]
-            if max_k:
-                top = logprobs.topk(max_k, dim=-1)
-                part += [top.indices, top.values]
-            parts.append(part)
-        return [torch.cat(column) for column in zip(*parts, strict=True)]
-
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self.request_generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(self.device).manual_seed(seed % 2**64)
-            self.request_generators[request_id] = gen
-        return gen
+    # ---- host copies --------------------------------------------------------------
 
     def _to_host(
         self,
         reqs: list[ScheduledRequest],
         result: SamplerOutput | None,
-        prompt_jobs: list[_PromptLogprobsJob],
+        prompt_jobs: list[PromptLogprobsJob],
         prompt_result: list[torch.Tensor],
     ) -> PendingOutput:
         """Start the step's one device → host transfer, of everything the host needs."""
@@ -693,7 +455,7 @@ class ModelRunner:
         self,
         reqs: list[ScheduledRequest],
         host: dict[str, torch.Tensor],
-        prompt_jobs: list[_PromptLogprobsJob],
+        prompt_jobs: list[PromptLogprobsJob],
     ) -> ModelRunnerOutput:
         """The step's output from its host copies."""
         out = ModelRunnerOutput()
@@ -704,85 +466,25 @@ class ModelRunner:
             )
         if prompt_jobs:
             prompt_host = [host[name] for name in host if name.startswith("prompt")]
-            out.prompt_logprobs = _unpack_prompt_logprobs(prompt_jobs, prompt_host)
+            out.prompt_logprobs = unpack_prompt_logprobs(prompt_jobs, prompt_host)
         if "ids" not in host:
             return out
         ids = host["ids"].tolist()
         out.sampled = {r.request_id: t for r, t in zip(reqs, ids, strict=True)}
         if self.return_sampling_mask:
-            if "mask_bits" in host:
-                bits = np.unpackbits(host["mask_bits"].numpy(), axis=1, bitorder="little")
-                masks = [np.flatnonzero(row[: self.vocab_size]).tolist() for row in bits]
-            else:  # every row greedy: the mask is the argmax alone
-                masks = [[t] for t in ids]
+            masks = (
+                unpack_sampling_masks(host["mask_bits"].numpy(), self.vocab_size)
+                if "mask_bits" in host
+                else [[t] for t in ids]  # every row greedy: the mask is the argmax alone
+            )
             out.sampling_masks = {r.request_id: m for r, m in zip(reqs, masks, strict=True)}
         if "lp" not in host:
             return out
-        lp, ranks = host["lp"].tolist(), host["ranks"].tolist()
-        top_ids = host["top_ids"].tolist() if "top_ids" in host else None
-        top_lp = host["top_lp"].tolist() if "top_lp" in host else None
+        lists = {key: host[key].tolist() for key in LOGPROB_KEYS if key in host}
         for i, r in enumerate(reqs):
-            k = r.sampling_params.logprobs
-            if k is None:
-                continue
-            out.logprobs[r.request_id] = TokenLogprobs(
-                lp[i],
-                ranks[i],
-                top_ids[i][:k] if top_ids else [],
-                top_lp[i][:k] if top_lp else [],
-            )
+            if r.sampling_params.logprobs is not None:
+                out.logprobs[r.request_id] = token_logprobs_at(lists, i, r.sampling_params.logprobs)
         return out
-
-
-def _unpack_prompt_logprobs(
-    jobs: list[_PromptLogprobsJob], host: list[torch.Tensor]
-) -> dict[str, PromptLogprobsChunk]:
-    """Split the step's prompt-logprob rows (`[logprobs, ranks, top_ids?, top_logprobs?]`,
-    in job order) into one chunk per request."""
-    lp, ranks = host[0].tolist(), host[1].tolist()
-    top_ids = host[2].tolist() if len(host) > 2 else None
-    top_lp = host[3].tolist() if len(host) > 2 else None
-    out: dict[str, PromptLogprobsChunk] = {}
-    lo = 0
-    for job in jobs:
-        hi, k = lo + job.num_positions, job.num_top
-        out[job.request_id] = PromptLogprobsChunk(
-            start=job.start,
-            logprobs=lp[lo:hi],
-            ranks=ranks[lo:hi],
-            top_ids=[row[:k] for row in top_ids[lo:hi]] if top_ids else [[] for _ in lp[lo:hi]],
-            top_logprobs=[row[:k] for row in top_lp[lo:hi]] if top_lp else [[] for _ in lp[lo:hi]],
-        )
-        lo = hi
-    return out
-
-
-class PendingOutput:
-    """A step's output on its way to the host.
-
-    Args:
-        unpack: Builds the output from the host copies (run once, by `result`).
-        copied: Recorded after the copies were queued (None: they are done).
-    """
-
-    def __init__(
-        self, unpack: Callable[[], ModelRunnerOutput], copied: torch.cuda.Event | None
-    ) -> None:
-        self._unpack = unpack
-        self._copied = copied
-        self._output: ModelRunnerOutput | None = None
-
-    @classmethod
-    def ready(cls, output: ModelRunnerOutput) -> PendingOutput:
-        return cls(lambda: output, None)
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the copies (the step's only wait for the device) and unpack them."""
-        if self._output is None:
-            if self._copied is not None:
-                self._copied.synchronize()
-            self._output = self._unpack()
-        return self._output
 
 
 @dataclass
@@ -792,17 +494,3 @@ class _Samples:
     token_ids: torch.Tensor  # [num_sampled]
     rows: dict[str, int]
     """Request id → its row in `token_ids`."""
-
-
-def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy device tensors to the host with a single wait for the device."""
-    host, copied = start_copy_to_host(tensors)
-    if copied is not None:
-        copied.synchronize()
-    return host
-
-
-def _device_scope(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make `device` the current CUDA device: Triton launches on the current device's
-    stream, whichever device the tensors are on (an engine on `cuda:1`, say)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

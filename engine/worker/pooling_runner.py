@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention.backend import get_attention_backend
+from ..attention.selector import get_attention_backend
 from ..attention.varlen import VarlenPlan
 from ..config import EngineConfig
 from ..errors import InvalidParamError
@@ -175,6 +175,10 @@ class PoolingRunner:
         self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
         self.num_labels = getattr(self.model, "num_labels", None)
         self._staging = _PinnedStaging()
+
+    def release(self) -> None:
+        """Drop the model so its memory returns to the device; nothing runs afterwards."""
+        self.model = None
 
     # ---- batching ---------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ any processing, temperature and truncation), as vLLM reports them by default.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..sampling_params import SamplingParams
@@ -349,7 +350,7 @@ class Sampler:
         if meta.all_greedy:
             sampled = greedy_ids
         else:
-            probs, keep = self._probs(logits, meta)
+            probs, keep = self.filtered_probs(logits, meta)
             sampled = torch.where(meta.greedy, greedy_ids, self._race(probs, meta))
         out = SamplerOutput(sampled, None, None, None, None)
         if meta.return_sampling_mask and keep is not None:
@@ -366,7 +367,9 @@ class Sampler:
         return out
 
     @staticmethod
-    def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def filtered_probs(
+        logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The distribution to sample from, and the mask of tokens that survive filtering
         (`[num_rows, vocab_size]` each)."""
         logits = logits / meta.temperature[:, None]
@@ -417,6 +420,12 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (mask.view(rows, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 
+def unpack_sampling_masks(bits: np.ndarray, vocab_size: int) -> list[list[int]]:
+    """`_pack_bits`'s output on the host → each row's sorted surviving token ids."""
+    rows = np.unpackbits(bits, axis=1, bitorder="little")
+    return [np.flatnonzero(row[:vocab_size]).tolist() for row in rows]
+
+
 def _apply_top_k_top_p(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     top_k: torch.Tensor | None,  # [num_rows]
@@ -436,3 +445,35 @@ def _apply_top_k_top_p(
         remove[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class RequestGenerators:
+    """Each seeded request's own generator on the device, made at its first sample (as in
+    vLLM, a request's seed alone decides its draws, whatever else is in the batch).
+
+    Args:
+        device: Where the generators draw.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_request: dict[str, torch.Generator] = {}
+
+    def get(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        """The request's generator (None without a seed: the engine's generator draws)."""
+        if seed is None:
+            return None
+        gen = self._by_request.get(request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(seed % 2**64)
+            self._by_request[request_id] = gen
+        return gen
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the generators of finished requests."""
+        for rid in request_ids:
+            self._by_request.pop(rid, None)
+
+    def __iter__(self) -> Iterator[str]:
+        """The ids of the requests holding a generator."""
+        return iter(self._by_request)

@@ -23,6 +23,7 @@ keys in block 0.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -250,6 +251,40 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def fresh_metadata(
+    inputs: StepInputs, device: torch.device, max_query_len: int, max_seq_len: int
+) -> AttentionMetadata:
+    """A step's attention metadata in tensors of its own, for a step larger than the
+    persistent buffers (never with the scheduler's budgets)."""
+    qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
+    return AttentionMetadata(
+        num_seqs=len(seq_lens),
+        num_tokens=len(inputs.input_ids),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        query_start_loc=to_device(qsl.astype(np.int32), device),
+        seq_lens=to_device(seq_lens.astype(np.int32), device),
+        block_tables=to_device(inputs.block_tables.astype(np.int32), device),
+        slot_mapping=to_device(inputs.slot_mapping, device),
+        query_start_loc_host=qsl.tolist(),
+        seq_lens_host=seq_lens.tolist(),
+    )
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` the current CUDA device: Triton launches on the current device's
+    stream, whichever device the tensors are on (an engine on `cuda:1`, say)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy device tensors to the host with a single wait for the device."""
+    host, copied = start_copy_to_host(tensors)
+    if copied is not None:
+        copied.synchronize()
+    return host
 
 
 class StepBuffers:

@@ -13,18 +13,44 @@ builds its runner over its shard, then serves messages from the driver in order:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
+import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..distributed.parallel import TPGroup
+    from .model_runner import ModelRunner
+
 STEP, RPC, STOP = "step", "rpc", "stop"
 STARTED, READY, RESULT, FATAL = "started", "ready", "result", "fatal"
+
+
+class RankRunner(Protocol):
+    """What every rank's runner offers its worker, generative (`ModelRunner`, which also
+    runs steps and holds a KV cache) or pooling (`PoolingRunner`)."""
+
+    device: torch.device
+    model: torch.nn.Module | None
+
+    def release(self) -> None:
+        """Drop the runner's device tensors so their memory returns to the device."""
+        ...
+
+
+RunnerFactory = Callable[["EngineConfig", "TPGroup | None", "torch.device | None"], "ModelRunner"]
+"""Builds one rank's generative runner (`config, tp, device`), speculative decoding attached
+where the configuration asks for it; a module-level function, so that spawned ranks get it
+by reference."""
 
 
 class Worker:
@@ -37,7 +63,7 @@ class Worker:
         device: The rank's device.
     """
 
-    def __init__(self, model_runner: Any, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, model_runner: RankRunner, rank: int = 0, world_size: int = 1) -> None:
         self.model_runner = model_runner
         self.rank = rank
         self.world_size = world_size
@@ -46,6 +72,8 @@ class Worker:
     @property
     def model(self) -> torch.nn.Module:
         return self.model_runner.model
+
+    # A generative rank's setup and steps, called by its executor.
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -70,6 +98,36 @@ def call_method(worker: Worker, method: str | Callable, args: tuple, kwargs: dic
     return method(worker, *args, **kwargs)
 
 
+def call_in_process(
+    worker: Worker,
+    method: str | Callable,
+    timeout: float | None,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """`collective_rpc` on a rank of this process: the calling thread runs the call and
+    cannot interrupt it, so `timeout` is checked when it returns (TimeoutError past it)."""
+    start = time.monotonic()
+    result = call_method(worker, method, tuple(args), dict(kwargs))
+    if timeout is not None and time.monotonic() - start > timeout:
+        raise TimeoutError(
+            f"collective_rpc({method_name(method)}) took longer than timeout={timeout} s"
+        )
+    return result
+
+
+def method_name(method: str | Callable) -> str:
+    """How messages name a `collective_rpc` method: its name, or the callable's."""
+    return repr(method) if isinstance(method, str) else getattr(method, "__name__", repr(method))
+
+
+def release_runner(runner: RankRunner) -> None:
+    """Drop the runner's device tensors and give the freed memory back to the device."""
+    runner.release()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def dumps_call(message: Any) -> bytes:
     """Pickle a message that may hold a callable: cloudpickle (lambdas, closures, the
     calling script's functions by value), else, in an install without batchlm's
@@ -86,6 +144,7 @@ class WorkerProcessArgs:
     """What a spawned rank needs to join the group and build its runner."""
 
     config: Any  # EngineConfig
+    build_runner: RunnerFactory
     rank: int
     world_size: int
     store_port: int
@@ -96,8 +155,7 @@ class WorkerProcessArgs:
 
 def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
     """Entry point of a spawned rank (never returns normally: the process exits)."""
-    from .model_runner import ModelRunner
-    from .parallel import connect_store, create_tp_group
+    from ..distributed.parallel import connect_store, create_tp_group
 
     # Ctrl-C in a terminal reaches every process of its group: the driver decides what an
     # interrupt stops (see executor._interrupt_deferred); a rank goes when the driver does.
@@ -119,7 +177,7 @@ def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
             args.timeout_s,
             not args.config.parallel.disable_custom_all_reduce,
         )
-        runner = ModelRunner(args.config, tp=tp, device=device)
+        runner = args.build_runner(args.config, tp, device)
         worker = Worker(runner, args.rank, args.world_size)
         conn.send((READY, None))
     except BaseException:
@@ -161,3 +219,35 @@ def _send_fatal(conn: Any, message: str) -> None:
         conn.send((FATAL, message))
     except Exception:
         pass
+
+
+@contextlib.contextmanager
+def script_hidden() -> Iterator[None]:
+    """While a rank's process starts: the main module looks like an interactive session's
+    (no `__file__`, no `__spec__`), so multiprocessing's spawn does not import it in the
+    child. Restored on exit."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def exit_status(process: Any) -> str:
+    """How a rank's process ended, for messages (`exit code 1`, `killed by SIGKILL`)."""
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

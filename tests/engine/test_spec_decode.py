@@ -17,6 +17,7 @@ from batchlm.engine.core.scheduler import Scheduler
 from batchlm.engine.errors import InvalidParamError
 from batchlm.engine.spec_decode import NgramProposer, parse_speculative_options
 from batchlm.engine.spec_decode.options import ALIASES
+from batchlm.engine.worker.kv_cache_sizing import profile_forward
 
 ENGINE = dict(max_model_len=128, num_gpu_blocks_override=96)
 
@@ -496,7 +497,7 @@ def test_profiling_forward_runs_the_draft_on_the_dummy_prompts(target):
         return original(reqs)
 
     drafter._forward = counting
-    runner._dummy_forward(40)
+    profile_forward(runner, 40)
     assert calls == [40]
     assert not drafter.num_computed
     llm.shutdown()

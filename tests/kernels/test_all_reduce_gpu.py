@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as multiprocessing
 
-from batchlm.engine.worker.parallel import connect_store, create_store
-from batchlm.engine.worker.peer_all_reduce import MAX_BYTES, PeerAllReduce
+from batchlm.engine.distributed.parallel import connect_store, create_store
+from batchlm.engine.distributed.peer_all_reduce import MAX_BYTES, PeerAllReduce
 from batchlm.kernels.all_reduce import all_reduce_ref
 from batchlm.kernels.rms_norm import fused_add_rms_norm
 

@@ -18,6 +18,7 @@ classes and always stay in full precision.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +28,7 @@ from torch import nn
 from batchlm.kernels import use_triton_kernels
 
 if TYPE_CHECKING:
-    from ...worker.parallel import TPGroup
-    from .quant import LinearMethod
+    from ...distributed.parallel import TPGroup
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -48,6 +48,40 @@ def _divide(total: int, tp_size: int, what: str) -> int:
     if total % tp_size:
         raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={tp_size}")
     return total // tp_size
+
+
+class LinearMethod(ABC):
+    """How a quantized `Linear` stores its weight and multiplies by it (the methods are in
+    `models/layers/quant.py`).
+
+    Lifecycle: either `create_weights` (before a quantized checkpoint is loaded into the
+    layer) or `quantize_weights` (after a full-precision one was), then `process_weights`
+    once the quantized weight and scales are in place; `apply` at run time.
+    """
+
+    name: str
+    weight_dtype: torch.dtype
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+        """The activation dtype."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Replace the layer's weight by an empty quantized one and add its scales."""
+
+    @abstractmethod
+    def quantize_weights(self, layer: Linear) -> None:
+        """Quantise the layer's full-precision weight in place."""
+
+    def process_weights(self, layer: Linear) -> None:
+        """Make the layer run with this method (called once its weights are quantized)."""
+        layer.quant_method = self
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` without the bias: `[..., in]` → `[..., out]` in `x.dtype`."""
 
 
 class Linear(nn.Linear):

@@ -11,7 +11,7 @@ from torch import nn
 from batchlm.kernels import use_triton_kernels
 
 if TYPE_CHECKING:
-    from ...worker.parallel import TPGroup
+    from ...distributed.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):

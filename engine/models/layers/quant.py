@@ -19,7 +19,6 @@ belong to its own rows (column-parallel) or its own partial sums (row-parallel).
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 
 from batchlm.kernels import use_triton_kernels
 
-from .linear import Linear
+from .linear import Linear, LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +86,13 @@ def _set_param(layer: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(layer, name, nn.Parameter(value, requires_grad=False))
 
 
-class LinearMethod(ABC):
-    """How a quantized `Linear` stores its weight and multiplies by it.
+class PerChannelLinearMethod(LinearMethod):
+    """A quantized weight of `weight_dtype` with one float32 scale per output channel
+    (`weight_scale`), as both methods below store it."""
 
-    Lifecycle: either `create_weights` (before a quantized checkpoint is loaded into the
-    layer) or `quantize_weights` (after a full-precision one was), then `process_weights`
-    once the quantized weight and scales are in place; `apply` at run time.
-    """
-
-    name: str
     weight_dtype: torch.dtype
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device = device
-        self.dtype = dtype
-        """The activation dtype."""
-
     def create_weights(self, layer: Linear) -> None:
-        """Replace the layer's weight by an empty quantized one and add `weight_scale`."""
         out_features, in_features = layer.weight.shape
         dev = layer.weight.device
         _set_param(
@@ -117,21 +105,12 @@ class LinearMethod(ABC):
         )
 
     def quantize_weights(self, layer: Linear) -> None:
-        """Quantise the layer's full-precision weight in place."""
         q = quantize_per_row(layer.weight.data, self.weight_dtype)
         _set_param(layer, "weight", q.values)
         _set_param(layer, "weight_scale", q.scale)
 
-    def process_weights(self, layer: Linear) -> None:
-        """Make the layer run with this method (called once its weights are quantized)."""
-        layer.quant_method = self
 
-    @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W^T` without the bias: `[..., in]` → `[..., out]` in `x.dtype`."""
-
-
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(PerChannelLinearMethod):
     """fp8 e4m3 weights; fp8 activations (per token) where `torch._scaled_mm` runs."""
 
     name = "fp8"
@@ -180,7 +159,7 @@ class Fp8LinearMethod(LinearMethod):
         return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(PerChannelLinearMethod):
     """Weight-only int8: the int8 weight is converted to the activation dtype inside each
     matmul and the output columns are scaled (`x (q s)^T = (x q^T) s`).
 
@@ -195,7 +174,10 @@ class Int8LinearMethod(LinearMethod):
         return F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
 
 
-LINEAR_METHODS: dict[str, type[LinearMethod]] = {"fp8": Fp8LinearMethod, "int8": Int8LinearMethod}
+LINEAR_METHODS: dict[str, type[PerChannelLinearMethod]] = {
+    "fp8": Fp8LinearMethod,
+    "int8": Int8LinearMethod,
+}
 """Quantization method name → its linear method."""
 
 
@@ -204,8 +186,3 @@ def supports_fp8_matmul(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def quantizable_layers(model: nn.Module) -> list[tuple[str, Linear]]:
-    """The decoder projections (`Linear` layers): not embeddings, the LM head or norms."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
