@@ -62,14 +62,19 @@ class Timer:
 class Recorder:
     """Prints one JSON line per measurement and appends it to a results file."""
 
-    def __init__(self, out_path: str | None) -> None:
+    def __init__(self, out_path: str | None, tree: str | None = None) -> None:
         self.out_path = Path(out_path) if out_path else None
         self.command = " ".join([Path(sys.executable).name, *sys.argv])
         self.commit = git_commit()
         self.device = device_name()
+        self.tree = tree
+        """Which source tree of batchlm ran, when it is not this checkout's (an A/B of
+        two commits, each imported from its own folder)."""
 
     def record(self, **fields) -> None:
         row = {**fields, "device": self.device, "commit": self.commit, "command": self.command}
+        if self.tree is not None:
+            row["tree"] = self.tree
         line = json.dumps(row)
         print(line, flush=True)
         if self.out_path:

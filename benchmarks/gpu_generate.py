@@ -580,6 +580,16 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=None, help="engine default if unset"
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="keep the random Llama-8B-shaped checkpoint here (reused when it exists)",
+    )
+    ap.add_argument(
+        "--tree",
+        default=None,
+        help="label each record with the batchlm source tree that ran (A/B of two commits)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     args = ap.parse_args()
     if args.smoke:
@@ -588,9 +598,9 @@ def main() -> None:
         DTYPE = torch.float32
         LLAMA_8B.update(SMOKE)
         QWEN_05B.update(SMOKE)
-    rec = Recorder(args.out)
+    rec = Recorder(args.out, tree=args.tree)
     count_triton_compiles()
-    llama_dir = Path(tempfile.mkdtemp(prefix="bench-llama8b-"))
+    llama_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="bench-llama8b-"))
     qwen_dir = Path(tempfile.mkdtemp(prefix="bench-qwen05b-"))
     for workload in args.workload or ["W1", "W3", "W5", "W2"]:
         start = time.perf_counter()
