@@ -430,8 +430,8 @@ LARGE_GPU_BYTES = 70 * 2**30
 
 def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> int:
     """The step token budget when none is given: 16384 for generation on a GPU with at least
-    70 GiB (fewer, larger prefill steps: W1 is about 1 % faster on an H200 than at 8192),
-    else 8192."""
+    70 GiB (fewer, larger prefill steps, a little faster; see docs/performance.md), else
+    8192."""
     if runner_type == "generate" and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:

@@ -2,8 +2,8 @@
 requests run.
 
 An engine holds hundreds of thousands of objects the collector tracks (one per KV cache
-block, and more); a full pass over them takes 0.1-0.2 s, during which the host launches
-nothing and the device, one step ahead at most, runs dry. `gc.freeze` moves every object
+block, and more); a full pass over them holds the host long enough for the device, one
+step ahead at most, to run dry (docs/performance.md has the timings). `gc.freeze` moves every object
 that exists to a generation the collector skips; objects made while requests run are
 collected as usual, and `gc.unfreeze` gives the frozen ones back when the work is done.
 """

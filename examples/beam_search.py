@@ -1,22 +1,18 @@
-"""Beam search with the bundled SmolLM2-135M-Instruct on whatever device is here (CPU is fine).
+"""Beam search: keep the `beam_width` most likely continuations of each prompt at every
+step, and return them best first (vLLM's `LLM.beam_search`).
 
 python examples/beam_search.py
 """
 
-from batchlm.engine import LLM
-from batchlm.engine.beam_search import BeamSearchParams, beam_search
+from batchlm.engine import LLM, BeamSearchParams
 
-prompts = [
-    "The capital of France is",
-    {"prompt": "def is_prime(n):"},
-]
+prompts = ["The capital of France is", "def is_prime(n):"]
 
 llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=1024)
-params = BeamSearchParams(beam_width=4, max_tokens=24)
-outputs = beam_search(llm, prompts, params, use_tqdm=True)
+params = BeamSearchParams(beam_width=4, max_tokens=16)
+outputs = llm.beam_search(prompts, params)
 for prompt, output in zip(prompts, outputs, strict=True):
     print(f"=== {prompt!r}")
     for rank, seq in enumerate(output.sequences):
-        score = seq.cum_logprob / len(seq.output_token_ids) ** params.length_penalty
-        print(f"--- beam {rank} (score {score:.3f}, {seq.finish_reason})")
+        print(f"--- beam {rank} (cumulative logprob {seq.cum_logprob:.3f}, {seq.finish_reason})")
         print(seq.text)

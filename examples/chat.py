@@ -6,7 +6,7 @@ python examples/chat.py
 from batchlm.engine import LLM, SamplingParams
 
 llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct")
-sampling_params = SamplingParams(temperature=0.0, max_tokens=64)
+sampling_params = SamplingParams(temperature=0.0, max_tokens=32)
 
 
 def print_outputs(outputs):

@@ -13,7 +13,7 @@ prompts = [
 ]
 
 llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=1024)
-params = SamplingParams(temperature=0.0, max_tokens=48)
+params = SamplingParams(temperature=0.0, max_tokens=32)
 for out in llm.generate(prompts, params):
     completion = out.outputs[0]
     print(f"--- {out.prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")

@@ -26,7 +26,7 @@ show("temperature=0.8, top_p=0.95, seed=42", SamplingParams(temperature=0.8, top
 
 # Stop strings end the completion and are cut from the text (unless
 # include_stop_str_in_output=True); stop_reason says which one matched.
-show("stop at '2.'", SamplingParams(temperature=0.0, max_tokens=64, stop=["2.", "\n\n"]))
+show("stop at '2.'", SamplingParams(temperature=0.0, max_tokens=32, stop=["2.", "\n\n"]))
 
 # n completions of one prompt.
 show("n=3", SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=0))
@@ -36,7 +36,7 @@ show(
     "penalties",
     SamplingParams(
         temperature=0.0,
-        max_tokens=48,
+        max_tokens=32,
         presence_penalty=0.5,
         frequency_penalty=0.5,
         repetition_penalty=1.2,

@@ -13,8 +13,8 @@ device), so that a launch sized for a bound (a CUDA graph captured for `max_mode
 still spreads short contexts over its programs.
 
 The launch configuration (keys per tile, warps, pipeline stages, splits) has heuristic
-defaults (`choose_launch`) that every call may override; `benchmarks/tools/
-tune_decode_attention.py` sweeps them on a GPU.
+defaults (`choose_launch`) that every call may override; docs/performance.md has the sweeps
+behind them.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
-# Defaults by output features, from the launch sweep on an H200 (bench_gemv.py, bf16,
-# Llama-3.1-8B shapes): wide layers (gate|up, the LM head) stream short tiles deeply
+# Defaults by output features, from a launch sweep over Llama-3.1-8B's shapes in bf16
+# (docs/performance.md): wide layers (gate|up, the LM head) stream short tiles deeply
 # pipelined; narrow ones (o_proj, down_proj) take long tiles over more warps; in between
 # (q|k|v), eight features per program keep enough programs in flight.
 _WIDE_N = 16384
@@ -41,13 +41,13 @@ _WIDE = (16, 256, 4, 4)  # block_n, block_k, num_warps, num_stages
 _NARROW = (16, 1024, 8, 2)
 _MIDDLE = (8, 512, 4, 2)
 # Exact shapes (N, K) whose sweep beat the defaults above: one rank's layers of
-# Llama-3.1-8B at tensor_parallel_size=2 (benchmarks/results/2026-12-01-gemv-tp2-shapes-
-# h200.jsonl), where the narrower weights want fewer features per program.
+# Llama-3.1-8B at tensor_parallel_size=2, where the narrower weights want fewer features per
+# program (timings in docs/performance.md).
 _TUNED = {
-    (3072, 4096): (8, 1024, 8, 3),  # q|k|v: 6.79 us against 7.78
-    (4096, 2048): (8, 1024, 4, 4),  # o_proj: 4.43 against 4.84
-    (4096, 7168): (4, 1024, 4, 4),  # down_proj: 14.04 against 14.50
-    (64128, 4096): (8, 1024, 4, 4),  # LM head: 116.3 against 118.6
+    (3072, 4096): (8, 1024, 8, 3),  # q|k|v
+    (4096, 2048): (8, 1024, 4, 4),  # o_proj
+    (4096, 7168): (4, 1024, 4, 4),  # down_proj
+    (64128, 4096): (8, 1024, 4, 4),  # LM head
 }
 
 

@@ -41,10 +41,8 @@ __all__ = ["prefill_attention", "prefill_attention_ref"]
 # m = _NEG_BIG, and exp2(-inf - _NEG_BIG) = 0 instead of exp2(-inf + inf) = nan.
 _NEG_BIG = tl.constexpr(-1.0e30)
 # Default tile: (token, head) rows and keys. 16-bit heads of 128 with a GQA group of 8 or
-# less take taller, shorter tiles (the tune_prefill_attention.py sweep on an H200: 12 % less
-# time at W1's shape, 9 % for a 1,088-token prompt); Qwen2.5-0.5B's heads of 64 (group 7)
-# were slower so (111 us against 87). float32 or wider heads halve the key tile (shared
-# memory).
+# less take taller, shorter tiles: faster for them, slower for heads of 64 (sweeps in
+# docs/performance.md). float32 or wider heads halve the key tile (shared memory).
 _BLOCK_M, _BLOCK_N = 64, 64
 _TALL_BLOCK_M, _TALL_BLOCK_N = 128, 32
 

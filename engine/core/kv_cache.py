@@ -49,11 +49,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         # Blocks come into being on first use, in id order: a small model on a large GPU
-        # gets millions of blocks, which as Python objects up front took seconds per engine
-        # (5.8 s for 5M on the 2-core machine). The free queue is therefore the blocks
-        # never used (ids `len(blocks)` to `num_blocks - 1`, taken first and in order) followed
-        # by `free_queue`, the freed ones: the same order as a queue that started with
-        # every id, since a freed block joins the tail behind every block never used.
+        # gets millions of blocks, which as Python objects up front took seconds per engine.
+        # The free queue is therefore the blocks never used (ids `len(blocks)` to
+        # `num_blocks - 1`, taken first and in order) followed by `free_queue`, the freed
+        # ones: the same order as a queue that started with every id, since a freed block
+        # joins the tail behind every block never used.
         self.blocks: list[KVBlock] = []
         """The blocks used so far; `blocks[i].block_id == i`."""
         # Front = evicted first. Values unused; OrderedDict gives O(1) removal from the middle.

@@ -315,7 +315,7 @@ _ARGMAX_CHUNKS = (1024, 768, 512, 384, 256, 128)
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of a `[rows, vocab]` tensor (the first index of the maximum), in two
     passes for a few rows over a wide vocabulary: each row's reduction otherwise runs as
-    one slow pass (38 us for one 128,256-wide row on an H200), where chunks of the row
+    one slow pass (timed in docs/performance.md), where chunks of the row
     reduce side by side and a second argmax picks the first chunk holding the maximum."""
     rows, width = x.shape
     chunk = next((c for c in _ARGMAX_CHUNKS if width % c == 0), 0)

@@ -62,14 +62,40 @@ def test_a_failing_run_unfreezes(llm, monkeypatch):
     assert len(llm.generate([{"prompt_token_ids": [5, 6]}], PARAMS, use_tqdm=False)) == 1
 
 
-def test_a_callers_freeze_is_left_to_the_caller(llm, freeze_counts):
+def is_frozen(obj: object) -> bool:
+    """Whether a tracked object sits in the frozen generation: `gc.get_objects()` lists the
+    generations the collector scans, never the frozen one."""
+    assert gc.is_tracked(obj)
+    return not any(o is obj for o in gc.get_objects())
+
+
+def test_a_callers_freeze_is_left_to_the_caller(llm, monkeypatch):
+    frozen_by_caller: list = []  # a tracked container the test keeps alive
+    assert not is_frozen(frozen_by_caller)
     gc.freeze()
+    made_after: list = []  # made after the caller's freeze, before the run
     before = gc.get_freeze_count()
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
-    # Still the caller's freeze (the fixture unfreezes): not given back by the run. The
-    # count moves only by the frozen objects that were freed meanwhile.
-    assert min(freeze_counts) > before - 1000
-    assert gc.get_freeze_count() > before - 1000
+    seen: list[tuple[int, bool, bool]] = []
+    step = llm.llm_engine.step
+
+    def observing_step():
+        seen.append((gc.get_freeze_count(), is_frozen(frozen_by_caller), is_frozen(made_after)))
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", observing_step)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+        after = gc.get_freeze_count()
+        assert seen
+        # The run neither unfreezes the caller's objects nor freezes its own.
+        assert all(caller and not late for _, caller, late in seen)
+        assert is_frozen(frozen_by_caller) and not is_frozen(made_after)
+        # Only gc.freeze adds to the frozen generation; frozen objects leave it only when
+        # freed. So the count never rises above the caller's and only falls, step by step.
+        counts = [before, *(count for count, _, _ in seen), after]
+        assert counts == sorted(counts, reverse=True)
+    finally:
+        gc.unfreeze()
 
 
 def test_nothing_is_frozen_with_the_collector_off(llm, freeze_counts):
