@@ -163,8 +163,8 @@ class Int8LinearMethod(PerChannelLinearMethod):
     """Weight-only int8: the int8 weight is converted to the activation dtype inside each
     matmul and the output columns are scaled (`x (q s)^T = (x q^T) s`).
 
-    `torch._weight_int8pack_mm` computes the same on CPU, but measured on the development
-    machines (torch 2.13, 1 to 228 rows of 576 × 1536) it is 4-12x slower than this.
+    `torch._weight_int8pack_mm` computes the same on CPU, but slower than this on the
+    machines measured (docs/performance.md).
     """
 
     name = "int8"
