@@ -26,7 +26,7 @@ from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
 
 from .output import OutputFolder, job_manifest
 from .progress import JobSummary, Progress, metric_values
-from .runner import ShardBatch, ShardInput, make_runner
+from .runner import Runner, ShardBatch, ShardInput
 from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
 from .shards import input_fingerprint as files_fingerprint
 from .spec import JobSpec, JobSpecError
@@ -265,6 +265,23 @@ def _test_exit_after(name: str) -> int | None:
     return int(value) if value else None
 
 
+def make_runner(name: str, config: OperatorConfig, info: ModelInfo) -> Runner:
+    """The runner called `name` (`local`, `ray`, `spark`); Ray and Spark import lazily."""
+    if name == "local":
+        from .local_runner import LocalRunner
+
+        return LocalRunner(config, info)
+    if name == "ray":
+        from .ray_runner import RayRunner
+
+        return RayRunner(config, info)
+    if name == "spark":
+        from .spark_runner import SparkRunner
+
+        return SparkRunner(config, info)
+    raise ValueError(f"runner={name!r} is unknown; use local, ray or spark")
+
+
 def _safe_metrics(runner: Any) -> list[Any] | None:
     try:
         return runner.metrics()
@@ -272,4 +289,4 @@ def _safe_metrics(runner: Any) -> list[Any] | None:
         return None
 
 
-__all__ = ["JobPlan", "plan_job", "run_job", "results_fingerprint"]
+__all__ = ["JobPlan", "plan_job", "run_job", "results_fingerprint", "make_runner"]
