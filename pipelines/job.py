@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchlm.operators import fault_injection
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
 
@@ -187,16 +187,13 @@ def _write_shards(
     num_rows: dict[int, int] = {}
     schemas: dict[int, pa.Schema] = {}
     compression = plan.job.output.compression
-    exit_after = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_SHARDS")
-    exit_after_batches = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_BATCHES")
     num_written = 0
     num_batches = 0
 
     def commit() -> None:
         nonlocal num_written
         num_written += 1
-        if exit_after is not None and num_written >= exit_after:
-            os._exit(3)  # the test of resuming: die as abruptly as a killed process
+        fault_injection.after_shard_commit(num_written)
 
     def inputs() -> Iterator[ShardInput]:
         for shard in pending:
@@ -223,8 +220,7 @@ def _write_shards(
                         f"runner {plan.job.runner!r} started shard {batch.index} before "
                         f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
                     )
-                if exit_after_batches is not None and num_batches >= exit_after_batches:
-                    os._exit(3)  # killed with this shard's temporary file open
+                fault_injection.before_batch_write(num_batches)
                 writer.write(batch.table)
                 num_batches += 1
                 bar.update(batch.table)
@@ -250,19 +246,6 @@ def _known_rows(shards: list[Shard]) -> int | None:
         known = sum(s.num_rows or 0 for s in shards)
         return known or None
     return sum(s.num_rows or 0 for s in shards)
-
-
-def _test_exit_after(name: str) -> int | None:
-    """Test hooks that make the job process exit at once (`os._exit(3)`), as if killed, so
-    that resuming can be tested:
-
-    - BATCHLM_TEST_EXIT_AFTER_SHARDS=N: after committing N shard files (between shards);
-    - BATCHLM_TEST_EXIT_AFTER_BATCHES=N: when the runner hands over a batch after N
-      batches were written (0: before any row is written; else usually mid-shard, with
-      that shard's temporary file open).
-    """
-    value = os.environ.get(name)
-    return int(value) if value else None
 
 
 def make_runner(name: str, config: OperatorConfig, info: ModelInfo) -> Runner:

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from batchlm.engine.errors import InvalidPromptError
+from batchlm.operators import fault_injection
 from batchlm.operators.engine_loop import EngineFailedError, EngineLoop
 from batchlm.operators.rows import ModelInfo, RowContractError, RowSpec
 
@@ -184,7 +185,7 @@ def test_engine_failure_rebuilds_the_engine_and_retries_every_batch_in_it():
     try:
         first = loop.submit(_batch([0, 1], words=30))
         time.sleep(0.02)
-        loop._inject_failure(RuntimeError("device lost"))
+        fault_injection.fail_engine_calls(loop, RuntimeError("device lost"))
         second = loop.submit(_batch([2, 3], words=3))
         _check_generated(first.result(timeout=10))
         _check_generated(second.result(timeout=10))
@@ -287,7 +288,7 @@ def test_batches_queued_behind_an_engine_that_cannot_be_rebuilt_fail_too():
     loop = EngineLoop(build, GEN, info=INFO)
     running = loop.submit(_batch([0], words=50))
     time.sleep(0.05)
-    loop._inject_failure(RuntimeError("device lost"))
+    fault_injection.fail_engine_calls(loop, RuntimeError("device lost"))
     queued = [loop.submit(_batch([k], words=2)) for k in (1, 2, 3)]
     for future in [running, *queued]:
         with pytest.raises(EngineFailedError, match="could not be rebuilt"):
