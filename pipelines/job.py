@@ -59,11 +59,11 @@ def plan_job(job: JobSpec) -> JobPlan:
     Raises:
         JobSpecError: the message names the key, file or column and the fix.
     """
-    config = job.to_operator_config()
+    config = job.config
     files = find_input_files(job.input)
     for file in files:
-        _check_input_columns(job, config, file, read_schema(file))
-    info = _model_info(job, config)
+        _check_input_columns(config, file, read_schema(file))
+    info = _model_info(config)
     shards = plan_shards(files, job.input.rows_per_shard)
     config_fp = results_fingerprint(config)
     input_fp = files_fingerprint(job.input, files)
@@ -77,19 +77,9 @@ def plan_job(job: JobSpec) -> JobPlan:
     return JobPlan(job, config, info, files, shards, manifest)
 
 
-def _check_input_columns(
-    job: JobSpec, config: OperatorConfig, file: InputFile, schema: pa.Schema
-) -> None:
+def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Schema) -> None:
     spec = config.spec
-    roles = {
-        "generate": ("prompt",),
-        "chat": ("messages",),
-        "embed": ("text",),
-        "classify": ("text",),
-        "score": ("text", "text_pair"),
-    }[spec.task]
-    for role in roles:
-        column = getattr(spec, f"{role}_column")
+    for role, column in zip(spec.input_roles, spec.input_columns, strict=True):
         if column not in schema.names:
             raise JobSpecError(
                 f"task {spec.task!r} reads column {column!r} (input.columns.{role}), but "
@@ -102,12 +92,12 @@ def _check_input_columns(
         raise JobSpecError(f"input {file.path!r}: {e}") from None
 
 
-def _model_info(job: JobSpec, config: OperatorConfig) -> ModelInfo:
+def _model_info(config: OperatorConfig) -> ModelInfo:
     try:
         return config.model_info()
     except (OSError, ValueError, TypeError) as e:
         raise JobSpecError(
-            f"model {job.model!r} with engine options {dict(job.engine)}: {e}"
+            f"model {config.model!r} with engine options {dict(config.engine_kwargs)}: {e}"
         ) from None
 
 
