@@ -24,10 +24,14 @@ PRODUCTION_MODULES = [
 ]
 
 
+class Loop:
+    """Stands for an `EngineLoop`: the hooks only need an object to key their state on."""
+
+
 def test_no_plan_means_no_faults(monkeypatch):
     monkeypatch.delenv(fault_injection.ENV_VAR, raising=False)
     assert fault_injection.active_plan() is None
-    fault_injection.before_engine_call(object())
+    fault_injection.before_engine_call(Loop())
     fault_injection.after_shard_commit(1)
     fault_injection.before_batch_write(0)
 
@@ -50,9 +54,6 @@ def test_a_bad_plan_names_the_key():
 
 
 def test_armed_engine_failures_are_per_loop_and_counted():
-    class Loop:
-        pass
-
     armed, other = Loop(), Loop()
     fault_injection.fail_engine_calls(armed, RuntimeError("device lost"), count=2)
     fault_injection.before_engine_call(other)
