@@ -99,3 +99,9 @@ def tokenize_workers() -> int | None:
             "processes"
         )
     return int(value)
+
+
+def fault_injection() -> str | None:
+    """BATCHLM_FAULT_INJECTION: tests only; a JSON `FaultPlan` of failures on demand, read in
+    every process by `batchlm.operators.fault_injection` (unset: none)."""
+    return os.environ.get("BATCHLM_FAULT_INJECTION") or None

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from batchlm.engine.gc_freeze import freeze_gc_heap
 
+from . import fault_injection
 from .rows import (
     GENERATION_TASKS,
     ModelInfo,
@@ -116,8 +117,6 @@ class EngineLoop:
         self._owner: dict[str, _Job] = {}  # request id -> its batch
         self._dead: BaseException | None = None
         self._closed = False
-        self._fault: BaseException | None = None
-        self._num_faults = 0
         self._unfreeze_gc: Callable[[], None] | None = None  # set while requests run
         self._thread = threading.Thread(target=self._serve, name="batchlm-engine", daemon=True)
         self._thread.start()
@@ -149,10 +148,6 @@ class EngineLoop:
         self._inbox.put(None)
         self._thread.join()
         self._release()
-
-    def _inject_failure(self, error: BaseException, count: int = 1) -> None:
-        """Test hook: the next `count` engine calls raise `error` (engine failures)."""
-        self._fault, self._num_faults = error, count
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -215,7 +210,7 @@ class EngineLoop:
                 _fail(job, self._dead_error())
             return
         try:
-            self._raise_injected()
+            fault_injection.before_engine_call(self)
             fn(*args)
         except Exception as e:
             affected = list(self._active)
@@ -224,11 +219,6 @@ class EngineLoop:
             elif args and isinstance(args[0], list):
                 affected.extend(args[0])
             self._on_engine_failure(e, [j for j in affected if not j.future.done()])
-
-    def _raise_injected(self) -> None:
-        if self._fault is not None and self._num_faults > 0:
-            self._num_faults -= 1
-            raise self._fault
 
     def _admit(self, job: _Job) -> None:
         if job.future.done():  # cancelled by its caller while queued

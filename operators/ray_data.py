@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from . import fault_injection
 from .config import OperatorConfig
 from .engine_loop import EngineFailedError, EngineLoop
 from .rows import RowContractError, output_fields, output_schema
@@ -89,10 +90,6 @@ class EngineActor:
         config: The model, engine options, task and batching (`OperatorConfig` or
             `ProcessorConfig`).
         stats_dir: Where to write this actor's counts (default: `config.stats_dir`).
-        _fault: Test hook, `{"on_call": n, "kind": "exit" | "raise", "marker": path,
-            "times": k}`. `exit`: the actor's n-th call ends the process while `marker`
-            (one line per exit, across restarts) holds fewer than k lines. `raise`: from
-            the n-th call on, the next k engine calls fail (logged in `marker`).
     """
 
     task: str | None = None
@@ -103,7 +100,6 @@ class EngineActor:
         config: OperatorConfig,
         *,
         stats_dir: str | None = None,
-        _fault: Mapping[str, Any] | None = None,
     ) -> None:
         if self.task is not None and config.spec.task != self.task:
             raise RowContractError(
@@ -115,7 +111,6 @@ class EngineActor:
             config.build_llm, config.spec, max_batch_retries=config.max_batch_retries
         )
         self._num_calls = 0
-        self._fault = dict(_fault) if _fault else None
         stats_dir = stats_dir or getattr(config, "stats_dir", None)
         self._stats_path: Path | None = None
         if stats_dir:
@@ -128,7 +123,7 @@ class EngineActor:
         """The batch (Arrow, pandas or a dict of columns) with the task's output columns."""
         table = _to_table(batch)
         self._num_calls += 1
-        self._apply_fault()
+        fault_injection.on_actor_call(self._num_calls, self._loop)
         out = await asyncio.wrap_future(self._loop.submit(table))
         self._write_stats()
         return out
@@ -147,23 +142,6 @@ class EngineActor:
         tmp = self._stats_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.stats()))
         os.replace(tmp, self._stats_path)
-
-    def _apply_fault(self) -> None:
-        fault = self._fault
-        if fault is None or self._num_calls != int(fault["on_call"]):
-            return
-        marker = Path(fault["marker"])
-        times = int(fault.get("times", 1))
-        if fault["kind"] == "raise":
-            with marker.open("a") as f:
-                f.write(f"{os.getpid()}\n")
-            self._loop._inject_failure(RuntimeError("injected engine failure"), times)
-            return
-        done = len(marker.read_text().splitlines()) if marker.exists() else 0
-        if done < times:
-            with marker.open("a") as f:
-                f.write(f"{os.getpid()}\n")
-            os._exit(1)
 
 
 class GenerateActor(EngineActor):

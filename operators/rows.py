@@ -104,15 +104,20 @@ class RowSpec:
             )
 
     @property
+    def input_roles(self) -> tuple[str, ...]:
+        """The inputs this task reads, by role; `<role>_column` names each one's column."""
+        return {
+            "generate": ("prompt",),
+            "chat": ("messages",),
+            "embed": ("text",),
+            "classify": ("text",),
+            "score": ("text", "text_pair"),
+        }[self.task]
+
+    @property
     def input_columns(self) -> tuple[str, ...]:
         """The columns this task reads."""
-        return {
-            "generate": (self.prompt_column,),
-            "chat": (self.messages_column,),
-            "embed": (self.text_column,),
-            "classify": (self.text_column,),
-            "score": (self.text_column, self.text_pair_column),
-        }[self.task]
+        return tuple(getattr(self, f"{role}_column") for role in self.input_roles)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -34,23 +34,16 @@ Example:
     >>> df = spark.read.parquet("prompts.parquet")
     >>> out = df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")
     >>> map_in_arrow(df, config).write.parquet("generated.parquet")  # the same, as columns
-
-Tracing (tests and debugging): when the Spark local property `TRACE_DIR_PROPERTY` names a
-folder, each engine build appends `<pid> <engine key>` to `engine_builds.txt` and each batch
-`<pid> <partition> <attempt> <rows>` to `batches.txt` there; a file
-`fail_once_partition_<n>` in it makes the first attempt of partition n fail (and is removed),
-which exercises the task retry.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from . import fault_injection
 from .config import OperatorConfig
 from .rows import ModelInfo, RowContractError, check_columns, output_fields, process_table
 
@@ -61,8 +54,6 @@ if TYPE_CHECKING:
 
 FIXED_SIZE_KEY = "batchlm.fixed_size"
 """Struct-field metadata key: the length of an `array<float>` that Arrow declares fixed-size."""
-TRACE_DIR_PROPERTY = "batchlm.spark.trace_dir"
-"""Spark local property: a folder for engine-build and batch traces (see the module doc)."""
 
 # Python-worker state: engine key → LLM. Lives as long as the worker process.
 _ENGINES: dict[str, Any] = {}
@@ -167,7 +158,7 @@ def get_engine(config: OperatorConfig) -> Any:
 
         llm = LLM(config.model, **{**config.engine_kwargs, "device": device})
         _ENGINES[key] = llm
-        _trace("engine_builds.txt", f"{os.getpid()} {key}")
+        fault_injection.on_spark_engine_build(key)
     return llm
 
 
@@ -191,31 +182,6 @@ def _limit_cpu_threads() -> None:
     import torch
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), int(ctx.cpus()))))
-
-
-def _trace_dir() -> Path | None:
-    ctx = _task_context()
-    value = ctx.getLocalProperty(TRACE_DIR_PROPERTY) if ctx is not None else None
-    return Path(value) if value else None
-
-
-def _trace(name: str, line: str) -> None:
-    folder = _trace_dir()
-    if folder is not None:
-        with open(folder / name, "a") as f:
-            f.write(line + "\n")
-
-
-def _maybe_fail_once(partition_id: int, attempt: int) -> None:
-    folder = _trace_dir()
-    if folder is None or attempt != 0:
-        return
-    marker = folder / f"fail_once_partition_{partition_id}"
-    try:
-        marker.unlink()
-    except FileNotFoundError:
-        return
-    raise RuntimeError(f"injected failure of partition {partition_id} (attempt {attempt})")
 
 
 # ---- batches ------------------------------------------------------------------------------
@@ -242,8 +208,7 @@ def process_batches(
             try:
                 if llm is None:
                     llm = get_engine(config)
-                _trace("batches.txt", f"{os.getpid()} {partition_id} {attempt} {piece.num_rows}")
-                _maybe_fail_once(partition_id, attempt)
+                fault_injection.on_spark_batch(partition_id, attempt, piece.num_rows)
                 out = process_table(llm, config.spec, piece, info)
             except RowContractError:
                 raise
@@ -401,7 +366,6 @@ def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
 
 __all__ = [
     "FIXED_SIZE_KEY",
-    "TRACE_DIR_PROPERTY",
     "generate_udf",
     "chat_udf",
     "embed_udf",

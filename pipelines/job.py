@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -21,12 +20,13 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchlm.operators import fault_injection
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
 
 from .output import OutputFolder, job_manifest
 from .progress import JobSummary, Progress, metric_values
-from .runner import ShardBatch, ShardInput, make_runner
+from .runner import Runner, ShardBatch, ShardInput
 from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
 from .shards import input_fingerprint as files_fingerprint
 from .spec import JobSpec, JobSpecError
@@ -59,11 +59,11 @@ def plan_job(job: JobSpec) -> JobPlan:
     Raises:
         JobSpecError: the message names the key, file or column and the fix.
     """
-    config = job.to_operator_config()
+    config = job.config
     files = find_input_files(job.input)
     for file in files:
-        _check_input_columns(job, config, file, read_schema(file))
-    info = _model_info(job, config)
+        _check_input_columns(config, file, read_schema(file))
+    info = _model_info(config)
     shards = plan_shards(files, job.input.rows_per_shard)
     config_fp = results_fingerprint(config)
     input_fp = files_fingerprint(job.input, files)
@@ -77,19 +77,9 @@ def plan_job(job: JobSpec) -> JobPlan:
     return JobPlan(job, config, info, files, shards, manifest)
 
 
-def _check_input_columns(
-    job: JobSpec, config: OperatorConfig, file: InputFile, schema: pa.Schema
-) -> None:
+def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Schema) -> None:
     spec = config.spec
-    roles = {
-        "generate": ("prompt",),
-        "chat": ("messages",),
-        "embed": ("text",),
-        "classify": ("text",),
-        "score": ("text", "text_pair"),
-    }[spec.task]
-    for role in roles:
-        column = getattr(spec, f"{role}_column")
+    for role, column in zip(spec.input_roles, spec.input_columns, strict=True):
         if column not in schema.names:
             raise JobSpecError(
                 f"task {spec.task!r} reads column {column!r} (input.columns.{role}), but "
@@ -102,12 +92,12 @@ def _check_input_columns(
         raise JobSpecError(f"input {file.path!r}: {e}") from None
 
 
-def _model_info(job: JobSpec, config: OperatorConfig) -> ModelInfo:
+def _model_info(config: OperatorConfig) -> ModelInfo:
     try:
         return config.model_info()
     except (OSError, ValueError, TypeError) as e:
         raise JobSpecError(
-            f"model {job.model!r} with engine options {dict(job.engine)}: {e}"
+            f"model {config.model!r} with engine options {dict(config.engine_kwargs)}: {e}"
         ) from None
 
 
@@ -187,16 +177,13 @@ def _write_shards(
     num_rows: dict[int, int] = {}
     schemas: dict[int, pa.Schema] = {}
     compression = plan.job.output.compression
-    exit_after = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_SHARDS")
-    exit_after_batches = _test_exit_after("BATCHLM_TEST_EXIT_AFTER_BATCHES")
     num_written = 0
     num_batches = 0
 
     def commit() -> None:
         nonlocal num_written
         num_written += 1
-        if exit_after is not None and num_written >= exit_after:
-            os._exit(3)  # the test of resuming: die as abruptly as a killed process
+        fault_injection.after_shard_commit(num_written)
 
     def inputs() -> Iterator[ShardInput]:
         for shard in pending:
@@ -223,8 +210,7 @@ def _write_shards(
                         f"runner {plan.job.runner!r} started shard {batch.index} before "
                         f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
                     )
-                if exit_after_batches is not None and num_batches >= exit_after_batches:
-                    os._exit(3)  # killed with this shard's temporary file open
+                fault_injection.before_batch_write(num_batches)
                 writer.write(batch.table)
                 num_batches += 1
                 bar.update(batch.table)
@@ -252,17 +238,21 @@ def _known_rows(shards: list[Shard]) -> int | None:
     return sum(s.num_rows or 0 for s in shards)
 
 
-def _test_exit_after(name: str) -> int | None:
-    """Test hooks that make the job process exit at once (`os._exit(3)`), as if killed, so
-    that resuming can be tested:
+def make_runner(name: str, config: OperatorConfig, info: ModelInfo) -> Runner:
+    """The runner called `name` (`local`, `ray`, `spark`); Ray and Spark import lazily."""
+    if name == "local":
+        from .local_runner import LocalRunner
 
-    - BATCHLM_TEST_EXIT_AFTER_SHARDS=N: after committing N shard files (between shards);
-    - BATCHLM_TEST_EXIT_AFTER_BATCHES=N: when the runner hands over a batch after N
-      batches were written (0: before any row is written; else usually mid-shard, with
-      that shard's temporary file open).
-    """
-    value = os.environ.get(name)
-    return int(value) if value else None
+        return LocalRunner(config, info)
+    if name == "ray":
+        from .ray_runner import RayRunner
+
+        return RayRunner(config, info)
+    if name == "spark":
+        from .spark_runner import SparkRunner
+
+        return SparkRunner(config, info)
+    raise ValueError(f"runner={name!r} is unknown; use local, ray or spark")
 
 
 def _safe_metrics(runner: Any) -> list[Any] | None:
@@ -272,4 +262,4 @@ def _safe_metrics(runner: Any) -> list[Any] | None:
         return None
 
 
-__all__ = ["JobPlan", "plan_job", "run_job", "results_fingerprint"]
+__all__ = ["JobPlan", "plan_job", "run_job", "results_fingerprint", "make_runner"]

@@ -64,21 +64,4 @@ class Runner(abc.ABC):
         self.close()
 
 
-def make_runner(name: str, config: OperatorConfig, info: ModelInfo) -> Runner:
-    """The runner called `name` (`local`, `ray`, `spark`); Ray and Spark import lazily."""
-    if name == "local":
-        from .local_runner import LocalRunner
-
-        return LocalRunner(config, info)
-    if name == "ray":
-        from .ray_runner import RayRunner
-
-        return RayRunner(config, info)
-    if name == "spark":
-        from .spark_runner import SparkRunner
-
-        return SparkRunner(config, info)
-    raise ValueError(f"runner={name!r} is unknown; use local, ray or spark")
-
-
-__all__ = ["Runner", "ShardInput", "ShardBatch", "make_runner"]
+__all__ = ["Runner", "ShardInput", "ShardBatch"]

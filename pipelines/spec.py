@@ -2,8 +2,10 @@
 
 A job names its input files, the task, the model and its engine options, the sampling or
 pooling params, the output folder and the runner. Every level rejects unknown keys (listing
-the valid ones), every value is type-checked, and `to_operator_config()` builds the
-`OperatorConfig` the runners share, which validates the task and its params.
+the valid ones), every value is type-checked, and the job holds the `OperatorConfig` the
+runners share (`job.config`), which validates the task and its params. Each option of the
+engine stage is declared once, in `OperatorConfig` or `RowSpec`; the job keys derive from
+their fields (`STAGE_KEYS`).
 
 Relative paths are taken from the current working directory.
 
@@ -15,27 +17,55 @@ Example:
     ...     "sampling_params": {"temperature": 0, "max_tokens": 16},
     ...     "output": "out/answers",
     ... })
-    >>> config = job.to_operator_config()
+    >>> job.config.spec.prompt_column, job.batch_size
+    ('question', 64)
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Union
 
 import yaml
 
 from batchlm.operators.config import OperatorConfig
-from batchlm.operators.rows import TASKS, RowContractError, unknown_keys
+from batchlm.operators.rows import TASKS, RowContractError, RowSpec, unknown_keys
 
 RUNNERS = ("local", "ray", "spark")
 FORMATS = ("auto", "parquet", "jsonl", "csv")
-COLUMN_ROLES = ("prompt", "messages", "text", "text_pair")
-"""Row-contract inputs a job may map to its own column names (`input.columns`)."""
+_COLUMN_SUFFIX = "_column"
+COLUMN_ROLES = tuple(
+    f.name.removesuffix(_COLUMN_SUFFIX) for f in fields(RowSpec) if f.name.endswith(_COLUMN_SUFFIX)
+)
+"""Row-contract inputs a job may map to its own column names (`input.columns`): the
+`<role>_column` options of `RowSpec`."""
+_RENAMED = {"engine_kwargs": "engine"}
+"""`OperatorConfig` fields whose job key is not the field's name."""
+
+
+def _stage_keys() -> dict[str, tuple[type, str]]:
+    """Top-level job key → (the dataclass that declares it, the field's name there): the
+    fields of `OperatorConfig`, with those of its `RowSpec` in place of `spec`; the column
+    roles go under `input.columns` instead."""
+    keys: dict[str, tuple[type, str]] = {}
+    for f in fields(OperatorConfig):
+        if f.name != "spec":
+            keys[_RENAMED.get(f.name, f.name)] = (OperatorConfig, f.name)
+            continue
+        for g in fields(RowSpec):
+            if g.init and not g.name.endswith(_COLUMN_SUFFIX):
+                keys[g.name] = (RowSpec, g.name)
+    return keys
+
+
+STAGE_KEYS = _stage_keys()
+"""The job keys the engine stage's config declares, e.g. `batch_size` → `(OperatorConfig,
+"batch_size")`, `engine` → `(OperatorConfig, "engine_kwargs")`, `task` → `(RowSpec, "task")`."""
 
 
 class JobSpecError(ValueError):
@@ -44,17 +74,17 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """Where the rows come from. Each input file is one shard of the job."""
+    """Where the rows come from. Each input file is one shard of the job.
+
+    In a job file, `input.columns` maps row-contract roles to your columns, e.g.
+    `{prompt: question}` for `RowSpec.prompt_column`; it becomes part of `JobSpec.config`.
+    """
 
     path: str
     """A file, a folder (every file of the format inside, recursively, sorted) or a glob
     such as `data/*.jsonl`."""
     format: str = "auto"
     """`parquet`, `jsonl` or `csv`; `auto` picks by the files' extension."""
-    columns: Mapping[str, str] = field(default_factory=dict)
-    """Row-contract input → your column, e.g. `{prompt: question}`. Roles: `prompt`
-    (generate), `messages` (chat), `text` (embed / classify / score's query side), `text_pair`
-    (score's document side). Unmapped roles use the role's own name as column."""
     rows_per_shard: int | None = None
     """Parquet only: split files with more rows than this into shards of whole row groups,
     so a crash loses less work. None: one shard per file."""
@@ -72,39 +102,32 @@ class OutputSpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One offline inference job: input → task → output."""
+    """One offline inference job: input → the engine stage → output.
+
+    A job file's keys besides `input`, `output` and `runner` are the options of the engine
+    stage, declared where the stage reads them: `OperatorConfig`'s fields (`engine` is its
+    `engine_kwargs`) and those of its `RowSpec` (`input.columns.<role>` is its
+    `<role>_column`); `STAGE_KEYS` lists them. Each can be read here by its job key:
+    `job.task`, `job.model`, `job.engine`, `job.batch_size`, ...
+    """
 
     input: InputSpec
-    """The input files and column mapping (a string is shorthand for `input.path`)."""
-    task: str
-    """`generate`, `chat`, `embed`, `score` or `classify`."""
-    model: str
-    """A local model folder, a `.gguf` file or a name that resolves offline."""
+    """The input files (a string is shorthand for `input.path`)."""
     output: OutputSpec
     """The output folder (a string is shorthand for `output.path`)."""
-    engine: Mapping[str, Any] = field(default_factory=dict)
-    """`LLM(model, **engine)` options: `dtype`, `max_model_len`, `max_num_seqs`, ..."""
-    sampling_params: Mapping[str, Any] | None = None
-    """generate / chat: `SamplingParams` fields (`temperature`, `max_tokens`, ...)."""
-    pooling_params: Mapping[str, Any] | None = None
-    """embed / score / classify: `PoolingParams` fields (`normalize`, `dimensions`, ...)."""
-    truncate_prompt_tokens: int | None = None
-    """Pooling tasks: keep at most this many tokens (-1: the model's maximum) instead of
-    failing the row when it is longer."""
-    chat_template: str | None = None
-    """chat: a template (text or file) overriding the model's."""
-    chat_template_kwargs: Mapping[str, Any] | None = None
-    """chat: extra variables for the template."""
+    config: OperatorConfig
+    """The engine stage: model, engine options, task, columns, params and batching."""
     runner: str = "local"
     """`local` (this process), `ray` (Ray Data actors) or `spark` (Spark Arrow UDF)."""
-    batch_size: int = 64
-    """Rows per batch handed to the engine."""
-    concurrency: int = 1
-    """Engine replicas (ray: actors; spark: partitions processed at once)."""
-    num_gpus: float | None = None
-    """GPUs per replica; None: `tensor_parallel_size` on a CUDA machine, else 0."""
-    max_batch_retries: int = 2
-    """ray / spark: retries of a batch on a fresh engine after an engine failure."""
+
+    def __getattr__(self, key: str) -> Any:
+        # Only called for names that are not attributes: the stage's job keys.
+        where = STAGE_KEYS.get(key)
+        config = self.__dict__.get("config")
+        if where is None or config is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+        owner, name = where
+        return getattr(config.spec if owner is RowSpec else config, name)
 
     @classmethod
     def from_dict(cls, data: Any) -> JobSpec:
@@ -115,81 +138,65 @@ class JobSpec:
                 f"got {_type_name(data)}"
             )
         data = dict(data)
+        columns: dict[str, Any] = {}
         for name, sub in (("input", InputSpec), ("output", OutputSpec)):
             if isinstance(data.get(name), str):
                 data[name] = {"path": data[name]}
             if name in data:
-                data[name] = _build(sub, data[name], name)
-        job = _build(cls, data, "")
-        job._validate()
-        return job
-
-    def _validate(self) -> None:
-        if self.task not in TASKS:
-            raise JobSpecError(f"task: {self.task!r} is unknown; use one of {', '.join(TASKS)}")
-        if self.runner not in RUNNERS:
-            raise JobSpecError(
-                f"runner: {self.runner!r} is unknown; use one of {', '.join(RUNNERS)}"
-            )
-        if self.input.format not in FORMATS:
-            raise JobSpecError(
-                f"input.format: {self.input.format!r} is unknown; use one of {', '.join(FORMATS)}"
-            )
-        _check_keys(dict(self.input.columns), COLUMN_ROLES, "input.columns")
-        for role, column in self.input.columns.items():
-            if not isinstance(column, str) or not column:
-                raise JobSpecError(f"input.columns.{role}: expected a column name, got {column!r}")
-        if self.input.rows_per_shard is not None and self.input.rows_per_shard < 1:
-            raise JobSpecError(f"input.rows_per_shard: {self.input.rows_per_shard} must be >= 1")
-        if not self.input.path:
-            raise JobSpecError("input.path is empty; name a file, a folder or a glob")
-        if not self.output.path:
-            raise JobSpecError("output.path is empty; name the output folder")
-        if self.engine:
-            from batchlm.engine.engine_args import EngineArgs
-
-            valid = tuple(f.name for f in fields(EngineArgs) if f.name != "model")
-            _check_keys(dict(self.engine), valid, "engine")
+                values = _checked(data[name], _nested_hints(sub), _required(sub), name)
+                columns = values.pop("columns", columns)
+                data[name] = sub(**values)
+        values = _checked(data, _top_level_hints(), _top_level_required(), "")
+        runner = values.pop("runner", "local")
+        job_input, job_output = values.pop("input"), values.pop("output")
+        _validate(values, runner, job_input, job_output, columns)
+        return cls(job_input, job_output, _stage_config(values, columns), runner)
 
     def to_operator_config(self) -> OperatorConfig:
-        """The engine stage's config; task, params and options are validated here."""
-        columns = {f"{role}_column": name for role, name in self.input.columns.items()}
-        optional = {
-            "sampling_params": self.sampling_params,
-            "pooling_params": self.pooling_params,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
-            "chat_template": self.chat_template,
-            "chat_template_kwargs": self.chat_template_kwargs,
-            "num_gpus": self.num_gpus,
-        }
-        try:
-            return OperatorConfig.create(
-                self.model,
-                self.task,
-                engine_kwargs=dict(self.engine),
-                batch_size=self.batch_size,
-                concurrency=self.concurrency,
-                max_batch_retries=self.max_batch_retries,
-                **columns,
-                **{k: _plain(v) for k, v in optional.items() if v is not None},
-            )
-        except RowContractError as e:
-            raise JobSpecError(str(e)) from None
+        """The engine stage's config (`config`), which the runners share."""
+        return self.config
 
     def with_overrides(self, **changes: Any) -> JobSpec:
-        """A copy with top-level fields replaced (`runner=`, `output=` as a path, ...)."""
-        if isinstance(changes.get("output"), (str, Path)):
-            changes["output"] = replace(self.output, path=str(changes["output"]))
-        job = replace(self, **changes)
-        job._validate()
-        return job
+        """A copy with top-level keys replaced (`runner=`, `output=` as a path, ...),
+        validated as a job file is."""
+        data = self.to_dict()
+        for name in ("input", "output"):
+            value = changes.pop(name, None)
+            if isinstance(value, (str, Path)):
+                data[name]["path"] = str(value)
+            elif value is not None:
+                data[name] = asdict(value) if isinstance(value, (InputSpec, OutputSpec)) else value
+        return JobSpec.from_dict({**data, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that `JobSpec.from_dict` takes back."""
-        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-        out["input"] = {f.name: _plain(getattr(self.input, f.name)) for f in fields(InputSpec)}
-        out["output"] = {f.name: getattr(self.output, f.name) for f in fields(OutputSpec)}
+        spec = self.config.spec
+        columns = {}
+        for role in COLUMN_ROLES:
+            name = f"{role}{_COLUMN_SUFFIX}"
+            if getattr(spec, name) != _default(RowSpec, name):
+                columns[role] = getattr(spec, name)
+        job_input = {
+            "path": self.input.path,
+            "format": self.input.format,
+            "columns": columns,
+            "rows_per_shard": self.input.rows_per_shard,
+        }
+        out: dict[str, Any] = {"input": job_input}
+        out.update({key: _plain(getattr(self, key)) for key in STAGE_KEYS})
+        out["output"] = asdict(self.output)
+        out["runner"] = self.runner
         return out
+
+
+def job_keys() -> list[str]:
+    """Every key a job file accepts, nested ones dotted (`input.path`, `output.compression`)."""
+    nested = [
+        f"{name}.{key}"
+        for name, sub in (("input", InputSpec), ("output", OutputSpec))
+        for key in _nested_hints(sub)
+    ]
+    return [*_top_level_hints(), *nested]
 
 
 def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
@@ -258,37 +265,122 @@ def set_path(data: dict[str, Any], item: str) -> None:
 
 _REQUIRED = {
     "input": "a Parquet / JSONL / CSV file, a folder of them or a glob",
-    "output": "the output folder",
     "task": f"one of {', '.join(TASKS)}",
     "model": "a model folder, a .gguf file or a bundled model name",
+    "output": "the output folder",
     "path": "a path",
 }
+"""What to set for each required key, in the order they are checked (then the others)."""
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    """`cls(**data)` with unknown keys, missing keys and value types checked."""
+def _validate(
+    values: dict[str, Any],
+    runner: str,
+    job_input: InputSpec,
+    job_output: OutputSpec,
+    columns: Mapping[str, Any],
+) -> None:
+    """The checks of the job's own values; the stage's config checks its values itself."""
+    task = values["task"]
+    if task not in TASKS:
+        raise JobSpecError(f"task: {task!r} is unknown; use one of {', '.join(TASKS)}")
+    if runner not in RUNNERS:
+        raise JobSpecError(f"runner: {runner!r} is unknown; use one of {', '.join(RUNNERS)}")
+    if job_input.format not in FORMATS:
+        raise JobSpecError(
+            f"input.format: {job_input.format!r} is unknown; use one of {', '.join(FORMATS)}"
+        )
+    _check_keys(dict(columns), COLUMN_ROLES, "input.columns")
+    for role, column in columns.items():
+        if not isinstance(column, str) or not column:
+            raise JobSpecError(f"input.columns.{role}: expected a column name, got {column!r}")
+    if job_input.rows_per_shard is not None and job_input.rows_per_shard < 1:
+        raise JobSpecError(f"input.rows_per_shard: {job_input.rows_per_shard} must be >= 1")
+    if not job_input.path:
+        raise JobSpecError("input.path is empty; name a file, a folder or a glob")
+    if not job_output.path:
+        raise JobSpecError("output.path is empty; name the output folder")
+    engine = values.get("engine")
+    if engine:
+        from batchlm.engine.engine_args import EngineArgs
+
+        valid = tuple(f.name for f in fields(EngineArgs) if f.name != "model")
+        _check_keys(dict(engine), valid, "engine")
+
+
+def _stage_config(values: dict[str, Any], columns: Mapping[str, str]) -> OperatorConfig:
+    """The `OperatorConfig` of checked job values; it validates the task's params."""
+    row = {f"{role}{_COLUMN_SUFFIX}": column for role, column in columns.items()}
+    own = {}
+    for key, value in values.items():
+        owner, name = STAGE_KEYS[key]
+        (row if owner is RowSpec else own)[name] = _plain(value)
+    try:
+        return OperatorConfig(spec=RowSpec(**row), **own)
+    except RowContractError as e:
+        raise JobSpecError(str(e)) from None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Field → type of `cls`'s init fields; nested specs (built first) map to None."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: None if _is_dataclass_type(hints[f.name]) else hints[f.name]
+        for f in fields(cls)
+        if f.init
+    }
+
+
+def _nested_hints(cls: type) -> dict[str, Any]:
+    """The keys of `input` / `output`: the spec's fields, and `input.columns`."""
+    if cls is InputSpec:
+        return {**_hints(cls), "columns": Mapping[str, str]}
+    return _hints(cls)
+
+
+def _top_level_hints() -> dict[str, Any]:
+    stage = {key: _hints(owner)[name] for key, (owner, name) in STAGE_KEYS.items()}
+    return {"input": None, "output": None, "runner": str, **stage}
+
+
+def _top_level_required() -> set[str]:
+    stage = {key for key, (owner, name) in STAGE_KEYS.items() if name in _required(owner)}
+    return {"input", "output", *stage}
+
+
+def _required(cls: type) -> set[str]:
+    return {
+        f.name
+        for f in fields(cls)
+        if f.init and f.default is MISSING and f.default_factory is MISSING
+    }
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def _checked(data: Any, hints: Mapping[str, Any], required: set[str], where: str) -> dict[str, Any]:
+    """`data` with unknown keys, missing keys and value types checked (None: any value)."""
     label = where or "job"
     if not isinstance(data, Mapping):
         raise JobSpecError(f"{label}: expected a mapping of keys, got {_type_name(data)}")
-    known = [f.name for f in fields(cls)]
-    _check_keys(dict(data), known, label if where else "the job")
-    hints = typing.get_type_hints(cls)
+    _check_keys(dict(data), list(hints), label if where else "the job")
     values: dict[str, Any] = {}
-    for f in fields(cls):
-        key = f"{where}.{f.name}" if where else f.name
-        if f.name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise JobSpecError(f"{key} is required: {_REQUIRED.get(f.name, 'set it')}")
+    first = list(_REQUIRED)
+    for name in sorted(hints, key=lambda n: first.index(n) if n in first else len(first)):
+        hint = hints[name]
+        key = f"{where}.{name}" if where else name
+        if name not in data:
+            if name in required:
+                raise JobSpecError(f"{key} is required: {_REQUIRED.get(name, 'set it')}")
             continue
-        value = data[f.name]
-        if not _is_dataclass_type(hints[f.name]):
-            value = _check_type(value, hints[f.name], key)
-        values[f.name] = value
-    return cls(**values)
+        values[name] = data[name] if hint is None else _check_type(data[name], hint, key)
+    return values
 
 
 def _is_dataclass_type(hint: Any) -> bool:
-    """Nested specs (`input`, `output`) arrive already built."""
     return isinstance(hint, type) and hasattr(hint, "__dataclass_fields__")
 
 
@@ -373,4 +465,6 @@ __all__ = [
     "RUNNERS",
     "FORMATS",
     "COLUMN_ROLES",
+    "STAGE_KEYS",
+    "job_keys",
 ]

@@ -1,7 +1,9 @@
 """`EngineLoop` over a scripted fake engine: overlap, per-batch answers, retries, merging.
 
 The fake engine finishes a prompt of k words after k steps, so the tests control which
-batch is still running; the real engines are exercised by test_ray_data.py.
+batch is still running; a prompt with the word HOLD (and every embed call) waits for the
+test's `gate` event, and `busy` tells the test that the engine has started working. The
+real engines are exercised by test_ray_data.py.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ import gc
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
 from batchlm.engine.errors import InvalidPromptError
+from batchlm.operators import fault_injection
 from batchlm.operators.engine_loop import EngineFailedError, EngineLoop
 from batchlm.operators.rows import ModelInfo, RowContractError, RowSpec
 
@@ -36,12 +40,15 @@ class FakeEngine:
 
     def step(self) -> list[SimpleNamespace]:
         self.freeze_counts.append(gc.get_freeze_count())
+        self.owner.busy.set()
         time.sleep(self.owner.step_s)
         if any("CRASH" in self.prompts[rid] for rid in self.running):
             raise RuntimeError("device lost")
         self.max_running = max(self.max_running, len(self.running))
         done = []
         for rid in list(self.running):
+            if self.owner.is_held(self.prompts[rid]):
+                continue
             self.running[rid] -= 1
             if self.running[rid] == 0:
                 del self.running[rid]
@@ -50,12 +57,17 @@ class FakeEngine:
 
 
 class FakeLLM:
-    """Generation: `enqueue` + `llm_engine.step()`; pooling: `embed` (2-d: [len, 1])."""
+    """Generation: `enqueue` + `llm_engine.step()`; pooling: `embed` (2-d: [len, 1]).
 
-    def __init__(self, step_s: float = 0.0, embed_s: float = 0.0) -> None:
+    `gate`: while it is not set, prompts with the word HOLD make no progress and `embed`
+    waits. `busy` is set as soon as a step or an embed call starts.
+    """
+
+    def __init__(self, step_s: float = 0.0, gate: threading.Event | None = None) -> None:
         self.llm_engine = FakeEngine(self)
         self.step_s = step_s
-        self.embed_s = embed_s
+        self.gate = gate
+        self.busy = threading.Event()
         self.embed_calls: list[int] = []
         self._enqueued: list[str] = []
         self._next = 0
@@ -75,8 +87,13 @@ class FakeLLM:
         self._enqueued.extend(ids)
         return ids
 
+    def is_held(self, prompt: str) -> bool:
+        return self.gate is not None and not self.gate.is_set() and "HOLD" in prompt.split()
+
     def embed(self, texts: list[str], params: object, **kwargs: object) -> list[SimpleNamespace]:
-        time.sleep(self.embed_s)
+        self.busy.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=10), "the test never opened the gate"
         self.embed_calls.append(len(texts))
         if any("CRASH" in t for t in texts):
             raise RuntimeError("device lost")
@@ -96,7 +113,7 @@ def _output(rid: str, prompt: str) -> SimpleNamespace:
 class Builder:
     """Counts engine builds; can be told to fail from the n-th build on."""
 
-    def __init__(self, fail_from: int | None = None, **llm_kwargs: float) -> None:
+    def __init__(self, fail_from: int | None = None, **llm_kwargs: Any) -> None:
         self.llms: list[FakeLLM] = []
         self.num_attempts = 0
         self.fail_from = fail_from
@@ -110,8 +127,10 @@ class Builder:
         return self.llms[-1]
 
 
-def _batch(ids: list[int], words: int, column: str = "prompt") -> pa.Table:
-    return pa.table({"id": ids, column: [" ".join(["w"] * words) + f" {i}" for i in ids]})
+def _batch(ids: list[int], words: int, column: str = "prompt", first: str = "w") -> pa.Table:
+    """Rows of `words` + 1 words each; `first="HOLD"` holds them while the gate is shut."""
+    texts = [" ".join([first] + ["w"] * (words - 1)) + f" {i}" for i in ids]
+    return pa.table({"id": ids, column: texts})
 
 
 def _check_generated(table: pa.Table) -> None:
@@ -123,14 +142,16 @@ def _check_generated(table: pa.Table) -> None:
 
 
 def test_batches_share_the_engine_and_each_is_answered_when_its_rows_are_done():
-    build = Builder(step_s=0.005)
+    gate = threading.Event()
+    build = Builder(step_s=0.005, gate=gate)
     loop = EngineLoop(build, GEN, info=INFO)
     try:
-        long = loop.submit(_batch([0, 1], words=60))
-        time.sleep(0.05)  # the long batch is running when the short one arrives
-        short = loop.submit(_batch([2, 3, 4], words=2))
+        long = loop.submit(_batch([0, 1], words=60, first="HOLD"))
+        assert build.llms[0].busy.wait(timeout=10)  # the long batch is running ...
+        short = loop.submit(_batch([2, 3, 4], words=2))  # ... when the short one arrives
         _check_generated(short.result(timeout=10))
         assert not long.done()  # answered before the batch that came first
+        gate.set()
         _check_generated(long.result(timeout=10))
         assert loop.stats.max_batches_in_engine == 2
         assert build.llms[0].llm_engine.max_running == 5
@@ -138,6 +159,7 @@ def test_batches_share_the_engine_and_each_is_answered_when_its_rows_are_done():
         assert loop.stats.num_engine_builds == 1
         assert (loop.stats.num_batches, loop.stats.num_rows) == (2, 5)
     finally:
+        gate.set()  # a failed assertion must not leave close() waiting for held requests
         loop.close()
 
 
@@ -183,8 +205,8 @@ def test_engine_failure_rebuilds_the_engine_and_retries_every_batch_in_it():
     loop = EngineLoop(build, GEN, info=INFO, max_batch_retries=1)
     try:
         first = loop.submit(_batch([0, 1], words=30))
-        time.sleep(0.02)
-        loop._inject_failure(RuntimeError("device lost"))
+        assert build.llms[0].busy.wait(timeout=10)  # the first batch is in the engine
+        fault_injection.fail_engine_calls(loop, RuntimeError("device lost"))
         second = loop.submit(_batch([2, 3], words=3))
         _check_generated(first.result(timeout=10))
         _check_generated(second.result(timeout=10))
@@ -232,14 +254,17 @@ def test_a_model_that_cannot_load_fails_the_constructor():
 
 
 def test_pooling_batches_waiting_together_run_as_one_call():
-    build = Builder(embed_s=0.2)
+    gate = threading.Event()
+    build = Builder(gate=gate)
     loop = EngineLoop(build, EMBED, info=INFO)
     try:
         first = loop.submit(_batch([0], words=1, column="text"))
-        time.sleep(0.05)  # the engine is busy with the first batch
+        assert build.llms[0].busy.wait(timeout=10)  # the engine is busy with the first batch
         later = [loop.submit(_batch([k, k + 100], words=k, column="text")) for k in (1, 2, 3)]
+        gate.set()
         outs = [f.result(timeout=10) for f in [first, *later]]
     finally:
+        gate.set()
         loop.close()
     assert build.llms[0].embed_calls == [1, 6]
     assert loop.stats.max_batches_in_engine == 3
@@ -269,10 +294,11 @@ def test_a_table_without_the_task_columns_fails_alone_without_touching_the_engin
 
 
 def test_a_batch_cancelled_by_its_caller_does_not_break_the_engine():
-    loop = EngineLoop(Builder(step_s=0.005), GEN, info=INFO)
+    build = Builder(step_s=0.005)
+    loop = EngineLoop(build, GEN, info=INFO)
     try:
         running = loop.submit(_batch([0], words=20))
-        time.sleep(0.02)
+        assert build.llms[0].busy.wait(timeout=10)  # the first batch is in the engine
         cancelled = loop.submit(_batch([1], words=3))
         cancelled.cancel()
         _check_generated(running.result(timeout=10))
@@ -283,11 +309,11 @@ def test_a_batch_cancelled_by_its_caller_does_not_break_the_engine():
 
 
 def test_batches_queued_behind_an_engine_that_cannot_be_rebuilt_fail_too():
-    build = Builder(fail_from=2, step_s=0.01)
+    build = Builder(fail_from=2, step_s=0.01, gate=threading.Event())  # never opened
     loop = EngineLoop(build, GEN, info=INFO)
-    running = loop.submit(_batch([0], words=50))
-    time.sleep(0.05)
-    loop._inject_failure(RuntimeError("device lost"))
+    running = loop.submit(_batch([0], words=50, first="HOLD"))
+    assert build.llms[0].busy.wait(timeout=10)  # the batch is in the engine, and stays there
+    fault_injection.fail_engine_calls(loop, RuntimeError("device lost"))
     queued = [loop.submit(_batch([k], words=2)) for k in (1, 2, 3)]
     for future in [running, *queued]:
         with pytest.raises(EngineFailedError, match="could not be rebuilt"):

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchlm.engine import LLM, SamplingParams
+from batchlm.operators.fault_injection import ActorFault, FaultPlan
 from batchlm.operators.ray_data import (
     EmbedActor,
     GenerateActor,
@@ -290,10 +291,9 @@ def test_actor_killed_mid_job_restarts_and_every_row_comes_once(
 ):
     config = _embed_config(tmp_path)
     marker = tmp_path / "exits"
-    fault = {"on_call": 3, "kind": "exit", "marker": str(marker), "times": 1}
+    fault = FaultPlan(actor=ActorFault(on_call=3, kind="exit", marker=str(marker), times=1))
     ds = ray_local.data.read_parquet(str(embed_input)).map_batches(
-        EmbedActor,
-        **map_batches_kwargs(config, fn_constructor_kwargs={"config": config, "_fault": fault}),
+        EmbedActor, **map_batches_kwargs(config, runtime_env={"env_vars": fault.env()})
     )
     # A postprocess stage after the engine, as build_processor would add.
     ds = ds.map(
@@ -324,10 +324,10 @@ def test_engine_failing_on_every_retry_fails_the_job_with_the_error(
     ray_local, tmp_path, embed_input
 ):
     config = _embed_config(tmp_path, max_batch_retries=1)
-    fault = {"on_call": 1, "kind": "raise", "marker": str(tmp_path / "faults"), "times": 1000}
+    marker = str(tmp_path / "faults")
+    fault = FaultPlan(actor=ActorFault(on_call=1, kind="raise", marker=marker, times=1000))
     ds = ray_local.data.read_parquet(str(embed_input)).map_batches(
-        EmbedActor,
-        **map_batches_kwargs(config, fn_constructor_kwargs={"config": config, "_fault": fault}),
+        EmbedActor, **map_batches_kwargs(config, runtime_env={"env_vars": fault.env()})
     )
     with pytest.raises(Exception) as e:
         ds.write_parquet(str(tmp_path / "out"))

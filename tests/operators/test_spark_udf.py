@@ -18,6 +18,7 @@ import pytest
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.operators.config import OperatorConfig
+from batchlm.operators.fault_injection import SPARK_TRACE_PROPERTY
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_RECORDS_PER_BATCH = 32
@@ -70,9 +71,9 @@ def trace(spark, tmp_path):
     """A trace folder for the jobs this test runs (engine builds, batches, injected faults)."""
     folder = tmp_path / "trace"
     folder.mkdir()
-    spark.sparkContext.setLocalProperty(spark_udf.TRACE_DIR_PROPERTY, str(folder))
+    spark.sparkContext.setLocalProperty(SPARK_TRACE_PROPERTY, str(folder))
     yield folder
-    spark.sparkContext.setLocalProperty(spark_udf.TRACE_DIR_PROPERTY, None)
+    spark.sparkContext.setLocalProperty(SPARK_TRACE_PROPERTY, None)
 
 
 @pytest.fixture(scope="module")

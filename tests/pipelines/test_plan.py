@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from batchlm.pipelines import JobSpec, JobSpecError, OutputConflictError, load_job
 from batchlm.pipelines.output import MANIFEST_NAME, OutputFolder, job_manifest
 from batchlm.pipelines.shards import find_input_files, plan_shards, read_shard
-from batchlm.pipelines.spec import InputSpec
+from batchlm.pipelines.spec import COLUMN_ROLES, InputSpec, job_keys
 
-from .conftest import MINILM, sentences, write_job, write_jsonl
+from .conftest import MINILM, REPO, sentences, write_job, write_jsonl
 
 # ---- spec -----------------------------------------------------------------------------------
 
@@ -54,9 +56,44 @@ def test_set_overrides_are_yaml_values(tmp_path):
         ],
     )
     assert job.sampling_params == {"max_tokens": 8, "stop": ["foo", "bar"]}
-    assert job.input.path == "in.jsonl" and job.input.columns == {"prompt": "question"}
+    assert job.input.path == "in.jsonl" and job.config.spec.prompt_column == "question"
     assert job.engine == {"enable_prefix_caching": False}
     assert job.output == type(job.output)("out", "snappy")
+
+
+def _readme_section(title: str) -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"\n{title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_every_job_key_is_in_the_readme():
+    """The README's "Jobs" section lists every key with its default, in one YAML block."""
+    section = _readme_section("## Jobs")
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the Jobs section has one YAML block of every key"
+    documented = yaml.safe_load(blocks[0])
+    listed = set(documented)
+    for name in ("input", "output"):
+        listed |= {f"{name}.{key}" for key in documented[name]}
+    missing = [key for key in job_keys() if key not in listed]
+    assert not missing, f"README.md's Jobs section lacks {missing}"
+    assert listed <= set(job_keys()), f"README.md lists unknown keys {listed - set(job_keys())}"
+    (columns_line,) = [line for line in blocks[0].splitlines() if "columns:" in line]
+    roles = [role for role in COLUMN_ROLES if role not in re.findall(r"\w+", columns_line)]
+    assert not roles, f"README.md's input.columns line lacks the role(s) {roles}"
+    JobSpec.from_dict(documented)  # the documented job is a valid one
+
+
+def test_every_job_key_is_in_the_run_help(capsys):
+    from batchlm.pipelines import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    words = set(re.findall(r"\w+", capsys.readouterr().out))
+    missing = [key for key in job_keys() if key.rsplit(".", 1)[-1] not in words]
+    assert not missing, f"'batchlm run --help' does not name {missing}"
 
 
 # ---- shards ---------------------------------------------------------------------------------

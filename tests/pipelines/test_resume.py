@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from batchlm.operators.fault_injection import FaultPlan
 from batchlm.pipelines import cli
 from batchlm.pipelines.output import MANIFEST_NAME
 
@@ -32,7 +33,7 @@ def file_states(folder: Path) -> dict[str, tuple[int, int]]:
 
 def test_kill_then_resume_then_nothing_to_do(embed_job: Path, tmp_path: Path, capsys):
     out = tmp_path / "out"
-    killed = run_cli("run", str(embed_job), env={"BATCHLM_TEST_EXIT_AFTER_SHARDS": "1"})
+    killed = run_cli("run", str(embed_job), env=FaultPlan(exit_after_shards=1).env())
     assert killed.returncode == 3, killed.stderr
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
     assert parts == ["part-00000-a.parquet"]

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchlm.operators.fault_injection import FaultPlan
 from batchlm.pipelines import cli
 from batchlm.pipelines import output as output_module
 from batchlm.pipelines.output import MANIFEST_NAME, TMP_PREFIX
@@ -91,9 +92,9 @@ def _check_readable(folder: Path) -> None:
         json.loads(manifest.read_text())
 
 
-def _killed_run(job: Path, folder: Path, hook: str, value: int) -> None:
-    """The job in a subprocess that a test hook ends abruptly; the folder is read all along."""
-    env = {**os.environ, hook: str(value)}
+def _killed_run(job: Path, folder: Path, plan: FaultPlan) -> None:
+    """The job in a subprocess that `plan` ends abruptly; the folder is read all along."""
+    env = {**os.environ, **plan.env()}
     cmd = [sys.executable, "-m", "batchlm.pipelines", "run", str(job), "-q"]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -133,18 +134,18 @@ def test_killed_before_mid_and_between_shards_then_resumed(tmp_path, capsys, mod
     names = [f"part-0000{i}-s{i}.parquet" for i in range(NUM_SHARDS)]
 
     # 1. Killed as the first batch arrives: no shard written.
-    _killed_run(job, out, "BATCHLM_TEST_EXIT_AFTER_BATCHES", 0)
+    _killed_run(job, out, FaultPlan(exit_after_batches=0))
     assert _parts(out) == []
     assert (out / MANIFEST_NAME).exists()
 
     # 2. Resumed, killed mid-shard: shard 0 whole, shard 1 half written (hidden).
-    _killed_run(job, out, "BATCHLM_TEST_EXIT_AFTER_BATCHES", 3)
+    _killed_run(job, out, FaultPlan(exit_after_batches=3))
     assert _parts(out) == names[:1]
     assert [p.name for p in out.iterdir() if p.name.startswith(TMP_PREFIX + "part-00001")]
     kept = _states(out)
 
     # 3. Resumed, killed between shards: shard 1 written, shard 0 untouched.
-    _killed_run(job, out, "BATCHLM_TEST_EXIT_AFTER_SHARDS", 1)
+    _killed_run(job, out, FaultPlan(exit_after_shards=1))
     assert _parts(out) == names[:2]
     assert _states(out)[names[0]] == kept[names[0]], "a finished shard was rewritten"
     kept = _states(out)
