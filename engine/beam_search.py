@@ -158,7 +158,7 @@ def beam_search(
     if not isinstance(params, BeamSearchParams):
         raise InvalidParamError(f"params is a {type(params).__name__}; pass a BeamSearchParams")
     tokenizer = llm.get_tokenizer()
-    eos_token_id = None if params.ignore_eos else tokenizer.eos_token_id
+    eos_token_ids = () if params.ignore_eos else _end_of_generation_ids(llm, tokenizer)
     searches = [
         _PromptSearch([BeamSearchSequence(ids, [], num_prompt_tokens=len(ids))])
         for ids in _prompt_token_ids(prompts, tokenizer)
@@ -190,7 +190,7 @@ def beam_search(
                 use_tqdm=False,
             )
             for (search, beam), result in zip(live, results, strict=True):
-                _extend(search, beam, result.outputs[0].logprobs, eos_token_id)
+                _extend(search, beam, result.outputs[0].logprobs, eos_token_ids)
             for search in searches:
                 # Live beams all have the same length: ranking by cum_logprob is ranking by
                 # score, whatever the length penalty.
@@ -204,7 +204,7 @@ def _extend(
     search: _PromptSearch,
     beam: BeamSearchSequence,
     step_logprobs: list[dict[int, Logprob]] | None,
-    eos_token_id: int | None,
+    eos_token_ids: tuple[int, ...],
 ) -> None:
     """Add `beam` extended by each candidate token to `search` (live or, on EOS, completed)."""
     if not step_logprobs:  # the engine produced no token (the beam hit its length limit)
@@ -219,11 +219,21 @@ def _extend(
             cum_logprob=beam.cum_logprob + logprob.logprob,
             num_prompt_tokens=beam.num_prompt_tokens,
         )
-        if token_id == eos_token_id:
+        if token_id in eos_token_ids:
             child.finish_reason = "stop"
             search.completed.append(child)
         else:
             search.beams.append(child)
+
+
+def _end_of_generation_ids(llm: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a beam: the engine's end-of-generation ids when `llm` exposes them
+    (the tokenizer's EOS and the generation config's), else the tokenizer's EOS."""
+    engine = getattr(llm, "llm_engine", None)
+    ids = getattr(engine, "eos_token_ids", None)
+    if ids is not None:
+        return tuple(ids)
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
 
 
 def _max_model_len(llm: Any) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,16 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 # Characters that only a Jinja template (never a file name) contains.
 _JINJA_MARKERS = ("{{", "{%", "{#", "\n")
+
+
+def is_template_name(value: Any) -> bool:
+    """`value` can only be the name of a tokenizer's named template (`tool_use`, say): a
+    short word, neither a template (no Jinja syntax) nor an existing file."""
+    return (
+        isinstance(value, str)
+        and re.fullmatch(r"[A-Za-z0-9_.-]+", value) is not None
+        and not Path(value).expanduser().exists()
+    )
 
 
 def is_batch_of_conversations(messages: Any) -> bool:
@@ -278,7 +289,7 @@ def render_chat_text(
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final_message,
         "tools": _check_tools(tools),
-        "chat_template": _resolve_template(tokenizer, chat_template),
+        "chat_template": resolve_chat_template(tokenizer, chat_template),
     }
     kwargs.update(_check_template_kwargs(chat_template_kwargs))
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
@@ -340,11 +351,30 @@ def apply_chat_template(
     return tokenize_chat_text(tokenizer, text)
 
 
-def _resolve_template(tokenizer: Any, chat_template: str | os.PathLike[str] | None) -> str | None:
-    """The template to render with; None means the tokenizer's own (which must exist)."""
+def resolve_chat_template(
+    tokenizer: Any, chat_template: str | os.PathLike[str] | None
+) -> str | None:
+    """The template to render with: the name of one of the tokenizer's named templates
+    (transformers looks it up), a template's text (given inline or read from a file), or
+    None for the tokenizer's own (which must exist). A name is looked up before anything
+    else, so `"tool_use"` is never taken for a file path.
+
+    Raises:
+        InvalidParamError: no template at all, or a value that is neither a named template,
+            a template nor a file.
+    """
     own = getattr(tokenizer, "chat_template", None)
-    if isinstance(own, dict) and isinstance(chat_template, str) and chat_template in own:
-        return chat_template  # a named template; transformers looks it up
+    names = sorted(own) if isinstance(own, dict) else []
+    if isinstance(chat_template, str) and chat_template in names:
+        return chat_template
+    is_text = isinstance(chat_template, str) and any(m in chat_template for m in _JINJA_MARKERS)
+    if names and isinstance(chat_template, str) and not is_text:
+        if not Path(chat_template).expanduser().exists():
+            raise InvalidParamError(
+                f"chat_template={chat_template!r} is neither one of the tokenizer's named "
+                f"templates ({', '.join(names)}) nor a file; pass one of those names, the "
+                "path of a template file or the template text itself"
+            )
     template = load_chat_template(chat_template)
     if template is None and own is None:
         raise InvalidParamError(

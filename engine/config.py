@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,18 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The checkpoint's end-of-generation ids and default sampling values."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """Ids that end a request besides the tokenizer's EOS (unless `ignore_eos`)."""
+    sampling: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """`SamplingParams` field → default value, for calls that pass no params."""
+    source: str | None = None
+    """The file the values were read from (None: none was read)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,9 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     """Quantized linear layers (`quantization=`, or what the checkpoint declares); None runs
     every layer in `dtype`."""
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """End-of-generation ids and default sampling values from the checkpoint's generation
+    config (`generation_config=`; empty with "vllm")."""
 
     @property
     def architecture(self) -> str:
@@ -142,6 +158,16 @@ class ParallelConfig:
     disable_custom_all_reduce: bool = False
     """Reduce every tensor with NCCL. By default, on GPUs with peer access to each other,
     small tensors (decode steps) are reduced by one kernel reading the peers' memory."""
+
+    device_ids: tuple[int, ...] = ()
+    """On CUDA, the device of each rank (rank r on `cuda:device_ids[r]`), from
+    `device="cuda:2,3"`; empty: rank r on `cuda:r`."""
+
+    def rank_device(self, device: torch.device, rank: int) -> torch.device:
+        """Where rank `rank` runs, given the engine's device."""
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", self.device_ids[rank] if self.device_ids else rank)
 
 
 @dataclass(frozen=True)

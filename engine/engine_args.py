@@ -14,6 +14,7 @@ from .config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    GenerationDefaults,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -24,6 +25,7 @@ from .config import (
 )
 from .errors import InvalidParamError
 from .loader import resolve_model
+from .loader.resolve import resolve_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class EngineArgs:
     spec_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    generation_config: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -88,7 +91,7 @@ class EngineArgs:
         path = resolve_model(str(self.model), self.revision)
         tokenizer_path = self._tokenizer_path(path)
         hf_config = _load_hf_config(path, self.trust_remote_code)
-        device = self._device()
+        device, device_ids = self._device()
         dtype = resolve_dtype(self.dtype, config_torch_dtype(hf_config), device)
         if self.dtype == "auto" and device.type == "cpu":
             logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
@@ -115,6 +118,7 @@ class EngineArgs:
             )
         backend = self._attention_backend(device)
         speculative = self._speculative(runner_type, dtype, max_model_len, device)
+        generation_defaults = self._generation_defaults(path, hf_config, runner_type)
         return EngineConfig(
             model=ModelConfig(
                 model=str(self.model),
@@ -131,6 +135,7 @@ class EngineArgs:
                 runner_type=runner_type,
                 convert=self.convert,
                 quantization=quantization,
+                generation_defaults=generation_defaults,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -152,12 +157,32 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 disable_custom_all_reduce=self.disable_custom_all_reduce,
+                device_ids=device_ids,
             ),
             disable_log_stats=self.disable_log_stats,
             metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
             speculative=speculative,
         )
+
+    def _generation_defaults(
+        self, path: Path, hf_config: Any, runner_type: str
+    ) -> GenerationDefaults:
+        """The checkpoint's end-of-generation ids and default sampling values, checked."""
+        from .loader.generation_config import read_generation_defaults
+        from .sampling_params import SamplingParams
+
+        defaults = read_generation_defaults(self.generation_config, path, hf_config)
+        if runner_type != "generate" or not defaults.sampling:
+            return defaults
+        try:
+            SamplingParams(**defaults.sampling)
+        except (InvalidParamError, TypeError) as e:
+            raise InvalidParamError(
+                f"{defaults.source}: its sampling values {dict(defaults.sampling)} cannot be "
+                f"defaults ({e}); fix the file, or pass generation_config='vllm' to ignore it"
+            ) from None
+        return defaults
 
     def _runner_type(self, hf_config: Any) -> str:
         from .errors import UnsupportedModelError
@@ -300,25 +325,45 @@ class EngineArgs:
     def _tokenizer_path(self, model_path: Path) -> Path:
         if not self.tokenizer:
             if self.tokenizer_revision is not None:
-                return resolve_model(str(self.model), self.tokenizer_revision)
+                return resolve_tokenizer(str(self.model), self.tokenizer_revision)
             return model_path
-        local = Path(str(self.tokenizer)).expanduser()
-        if local.is_dir():  # a tokenizer folder needs no config.json
-            return local
-        return resolve_model(str(self.tokenizer), self.tokenizer_revision)
+        return resolve_tokenizer(str(self.tokenizer), self.tokenizer_revision)
 
     def _chat_template(self) -> str | None:
-        if self.chat_template is None:
-            return None
-        from .chat_utils import load_chat_template
+        """The template text, read now from a file; a bare name stays as it is (one of the
+        tokenizer's named templates, checked once the tokenizer is loaded)."""
+        from .chat_utils import is_template_name, load_chat_template
 
+        if self.chat_template is None or is_template_name(self.chat_template):
+            return self.chat_template
         return load_chat_template(self.chat_template)
 
-    def _device(self) -> torch.device:
+    def _device(self) -> tuple[torch.device, tuple[int, ...]]:
+        """The engine's device (rank 0's), and with `device="cuda:2,3"` each rank's CUDA
+        device index (one per rank of `tensor_parallel_size`)."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu"), ()
+        text = str(self.device)
+        device_ids: tuple[int, ...] = ()
+        if text.startswith("cuda:") and "," in text:
+            parts = text[len("cuda:") :].split(",")
+            if not all(p.strip().isdigit() for p in parts):
+                raise InvalidParamError(
+                    f"device={text!r} is not a device list; write one CUDA index per rank, "
+                    "e.g. 'cuda:2,3'"
+                )
+            device_ids = tuple(int(p) for p in parts)
+            if len(device_ids) != self.tensor_parallel_size or len(set(device_ids)) != len(
+                device_ids
+            ):
+                raise InvalidParamError(
+                    f"device={text!r} names {len(device_ids)} device(s) for "
+                    f"tensor_parallel_size={self.tensor_parallel_size}; name one distinct "
+                    "CUDA index per rank"
+                )
+            text = f"cuda:{device_ids[0]}"
         try:
-            device = torch.device(self.device)
+            device = torch.device(text)
         except (RuntimeError, TypeError) as e:
             raise InvalidParamError(
                 f"device={self.device!r} is not a device; use 'cpu' or 'cuda'"
@@ -327,7 +372,13 @@ class EngineArgs:
             raise InvalidParamError(f"device={self.device!r} but CUDA is not available; use 'cpu'")
         if device.type not in ("cpu", "cuda"):
             raise InvalidParamError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
-        return device
+        count = torch.cuda.device_count() if device.type == "cuda" else 0
+        bad = [i for i in device_ids if i >= count]
+        if bad:
+            raise InvalidParamError(
+                f"device={self.device!r} names CUDA device {bad[0]}, but {count} are visible"
+            )
+        return device, device_ids
 
     def _attention_backend(self, device: torch.device) -> str:
         """`attention_backend=`, else BATCHLM_ATTENTION_BACKEND, else triton on CUDA (when

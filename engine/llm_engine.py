@@ -17,6 +17,7 @@ from .core.request import Request, RequestStatus
 from .core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from .engine_base import EngineBase
 from .errors import InvalidParamError
+from .loader.generation_config import end_of_generation_ids
 from .metrics import FinishedRequestStats
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,7 +68,10 @@ class LLMEngine(EngineBase):
         self.scheduler: Scheduler | None = None
         super().__init__(config)
         mc = config.model
-        self.eos_token_id = _eos_token_id(mc.hf_config, self.tokenizer)
+        self.eos_token_ids = end_of_generation_ids(
+            self.tokenizer, mc.hf_config, mc.generation_defaults
+        )
+        """Every id that ends a request (unless `ignore_eos`)."""
         self.executor = create_executor(config, build_model_runner)
         try:
             num_blocks = self._init_kv_cache()
@@ -168,7 +172,7 @@ class LLMEngine(EngineBase):
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
         )
@@ -393,11 +397,3 @@ class LLMEngine(EngineBase):
             )
         self.metrics.record_finished(finished)
 
-
-def _eos_token_id(hf_config: Any, tokenizer: Any) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos

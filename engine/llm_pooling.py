@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from .outputs import (
 )
 from .pooling_engine import PoolingEngine
 from .pooling_params import PoolingParams
+from .progress_bar import progress_bar
 from .tokenize_pool import EncodedTexts, TokenizePool, TokenizePoolError
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ class PoolingMixin:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order.
@@ -77,7 +79,7 @@ class PoolingMixin:
         check_unsupported_options(lora_request)
         start = time.perf_counter()
         runner = self._pooling_runner("embed", "embed")
-        with _gc_paused():
+        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
             inputs, vectors = self._run_chunked(
                 prompts,
                 pooling_params,
@@ -95,14 +97,14 @@ class PoolingMixin:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
         check_unsupported_options(lora_request)
         start = time.perf_counter()
         runner = self._pooling_runner("classify", "classify")
-        with _gc_paused():
+        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
             inputs, probs = self._run_chunked(
                 prompts, pooling_params, truncate_prompt_tokens, runner.classify
             )
@@ -117,7 +119,7 @@ class PoolingMixin:
         data_1: str | Sequence[str],
         data_2: str | Sequence[str],
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,
     ) -> list[ScoringRequestOutput]:
@@ -154,14 +156,18 @@ class PoolingMixin:
             inputs = PackedInputs.from_lists(
                 token_lists, [list(t) for t in types] if types is not None else None
             )
-            values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
+            with self._progress(runner, use_tqdm, len(inputs)):
+                values = [v[0].item() for v in runner.classify(inputs, [params] * len(inputs))]
             self._record_pooling(inputs, start)
             query_ids = inputs.prompt_token_ids()
         else:
             texts = list(dict.fromkeys([*left, *right]))
-            text_inputs, _ = self._pooling_inputs(texts, None, truncate_prompt_tokens)
-            unit = [PoolingParams(normalize=True)] * len(text_inputs)
-            vectors = dict(zip(texts, runner.embed(text_inputs, unit), strict=True))
+            # The caller's params (matryoshka dimensions, truncation), on unit vectors: the
+            # score is their cosine.
+            unit = dataclasses.replace(params, normalize=True)
+            text_inputs, text_params = self._pooling_inputs(texts, unit, truncate_prompt_tokens)
+            with self._progress(runner, use_tqdm, len(text_inputs)):
+                vectors = dict(zip(texts, runner.embed(text_inputs, text_params), strict=True))
             self._record_pooling(text_inputs, start)
             values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
             by_text = dict(zip(texts, text_inputs.prompt_token_ids(), strict=True))
@@ -176,13 +182,19 @@ class PoolingMixin:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         pooling_task: str = "embed",
         lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
         `classify` or `token_embed` (every token's final hidden state)."""
         check_unsupported_options(lora_request)
+        if pooling_task == "token_classify":
+            raise InvalidParamError(
+                "pooling_task='token_classify' (a label per token, for *ForTokenClassification "
+                "checkpoints) is not supported; use 'token_embed' for every token's hidden "
+                "state, or 'classify' for one label per prompt"
+            )
         if pooling_task not in ("embed", "classify", "token_embed"):
             raise InvalidParamError(
                 f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
@@ -199,13 +211,26 @@ class PoolingMixin:
             def run(inputs: PackedInputs, params: list[PoolingParams]) -> list[Any]:
                 return runner.token_embed(inputs)
 
-        with _gc_paused():
+        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
             inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
             self._record_pooling(inputs, start)
             return [
                 PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
                 for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
             ]
+
+    @contextlib.contextmanager
+    def _progress(
+        self, runner: PoolingRunner, use_tqdm: bool | Callable[..., Any], total: int
+    ) -> Iterator[None]:
+        """A bar of the call's inputs done (and inputs per second), moved as each batch of
+        the runner is done."""
+        bar = progress_bar(use_tqdm, total, "Processed prompts", "texts")
+        try:
+            with runner.reporting(bar.update):
+                yield
+        finally:
+            bar.close()
 
     def _record_pooling(self, inputs: PackedInputs, start: float) -> None:
         """Count a finished pooling call in the metrics (each input is one request)."""
@@ -463,6 +488,13 @@ class PoolingMixin:
             raise InvalidPromptError(
                 f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
             )
+
+
+def _num_prompts(prompts: Any) -> int:
+    """How many prompts a call's `prompts` argument holds (one string or dict is one)."""
+    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+        return 1
+    return len(prompts)
 
 
 def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):

@@ -66,7 +66,8 @@ class RowSpec:
     text_pair_column: str = "text_pair"
     """`score`: the document side, scored against `text_column` of the same row."""
     sampling_params: Mapping[str, Any] | None = None
-    """`SamplingParams` fields for generate / chat (`n` must be 1: one completion per row)."""
+    """`SamplingParams` fields for generate / chat (`n` must be 1: one completion per row);
+    omitted: the model's defaults, from its generation config."""
     pooling_params: Mapping[str, Any] | None = None
     """`PoolingParams` fields for embed / classify / score."""
     truncate_prompt_tokens: int | None = None
@@ -82,7 +83,7 @@ class RowSpec:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise RowContractError(f"task={self.task!r} is unknown; use one of {', '.join(TASKS)}")
-        if self.task in GENERATION_TASKS:
+        if self.task in GENERATION_TASKS and self.sampling_params is not None:
             params = _build_params(SamplingParams, self.sampling_params, "sampling_params")
             if params.n != 1:
                 raise RowContractError(
@@ -120,8 +121,11 @@ class RowSpec:
         return tuple(getattr(self, f"{role}_column") for role in self.input_roles)
 
     @property
-    def sampling(self) -> SamplingParams:
-        assert self._sampling is not None, "only generation tasks have sampling params"
+    def sampling(self) -> SamplingParams | None:
+        """The generation tasks' params; None when `sampling_params` is omitted: the
+        model's defaults then apply (`LLM.get_default_sampling_params()`, from its
+        generation config)."""
+        assert self.task in GENERATION_TASKS, "only generation tasks have sampling params"
         return self._sampling
 
     @property

@@ -123,11 +123,9 @@ def _task_context() -> Any:
 
 
 def task_device(config: OperatorConfig) -> str:
-    """`cuda:<n>` for the first GPU Spark gave this task, else `cpu`; `engine_kwargs` wins.
-
-    With `tensor_parallel_size` > 1 the task should hold that many GPUs; the engine places
-    its ranks itself (`cuda`).
-    """
+    """The GPUs Spark gave this task, as a device: `cuda:<n>`, or with
+    `tensor_parallel_size` = k > 1 one index per rank (`cuda:<n1>,...,<nk>`: rank r on the
+    task's r-th GPU); `cpu` without GPUs. `engine_kwargs["device"]` wins."""
     explicit = config.engine_kwargs.get("device")
     if explicit not in (None, "auto"):
         return str(explicit)
@@ -135,15 +133,23 @@ def task_device(config: OperatorConfig) -> str:
     gpu = ctx.resources().get("gpu") if ctx is not None else None
     if gpu is None or not gpu.addresses:
         return "cpu"
-    address = str(gpu.addresses[0])
-    if config.tensor_parallel_size > 1 or not address.isdigit():
+    addresses = [str(a) for a in gpu.addresses]
+    tp = config.tensor_parallel_size
+    if len(addresses) < tp:
+        raise RowContractError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs per task, but Spark gave this task "
+            f"{len(addresses)} ({', '.join(addresses)}); set spark.task.resource.gpu.amount={tp}"
+        )
+    if not all(a.isdigit() for a in addresses):
         return "cuda"
     import torch
 
     # Executors isolated to their GPUs (CUDA_VISIBLE_DEVICES) see them renumbered from 0.
-    ordinal = int(address)
+    ordinals = [int(a) for a in addresses[:tp]]
     count = torch.cuda.device_count()
-    return f"cuda:{ordinal if ordinal < count or count == 0 else 0}"
+    if count and max(ordinals) >= count:
+        ordinals = list(range(tp))
+    return "cuda:" + ",".join(map(str, ordinals))
 
 
 def get_engine(config: OperatorConfig) -> Any:

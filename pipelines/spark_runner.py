@@ -35,11 +35,11 @@ class SparkRunner(Runner):
             spark = self._spark()
             table = shard.table
             numbered = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
-            df = spark.createDataFrame(numbered)
+            df = _to_spark(spark, numbered)
             parts = min(self.config.concurrency, math.ceil(table.num_rows / self.config.batch_size))
             # One partition per engine replica; coalescing to one moves no data.
             df = df.repartition(parts) if parts > 1 else df.coalesce(1)
-            out = map_in_arrow(df, self.config).toArrow()
+            out = _to_arrow(map_in_arrow(df, self.config))
             out = out.sort_by(ROW_COLUMN).drop_columns([ROW_COLUMN])
             yield ShardBatch(shard.index, out)
 
@@ -54,6 +54,7 @@ class SparkRunner(Runner):
                 session = (
                     SparkSession.builder.appName("batchlm")
                     .config("spark.ui.showConsoleProgress", "false")
+                    .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                     .getOrCreate()
                 )
                 session.sparkContext.setLogLevel("ERROR")
@@ -66,3 +67,31 @@ class SparkRunner(Runner):
             self._session.stop()
         self._session = None
         self._started_session = False
+
+
+def _is_pyspark4() -> bool:
+    import pyspark
+
+    return int(pyspark.__version__.split(".")[0]) >= 4
+
+
+def _to_spark(spark: Any, table: pa.Table) -> Any:
+    """An Arrow table as a DataFrame: directly from PySpark 4.0; before, through pandas with
+    the table's own schema (so that nested and list columns keep their types)."""
+    if _is_pyspark4():
+        return spark.createDataFrame(table)
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
+    return spark.createDataFrame(table.to_pandas(), schema=from_arrow_schema(table.schema))
+
+
+def _to_arrow(df: Any) -> pa.Table:
+    """A DataFrame's rows as one Arrow table: `toArrow()` from PySpark 4.0; before, the
+    record batches that `toPandas()` itself collects (PySpark 3.5's `_collect_as_arrow`)."""
+    if _is_pyspark4():
+        return df.toArrow()
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    batches = df._collect_as_arrow()
+    return pa.Table.from_batches(batches, schema=to_arrow_schema(df.schema))

@@ -66,7 +66,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.6)
     for i in range(args.requests):
         prompt = [rng.randrange(30000) for _ in range(args.context)]
-        sched.add_request(Request(str(i), prompt, params, 2, i))
+        sched.add_request(Request(str(i), prompt, params, (2,), i))
     runner = _LayoutOnly(args.block_size, [str(i) for i in range(args.requests)])
     times: dict[str, list[float]] = {
         "schedule": [], "update": [], "prepare": [], "prepare, walking ids": []

@@ -52,7 +52,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """Every id that ends the request (unless `ignore_eos`): the tokenizer's EOS and the
+    generation config's end-of-generation ids."""
     arrival_index: int
     """Order of arrival (requests are queued first come, first served)."""
     cache_salt: int | None = None

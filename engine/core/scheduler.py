@@ -52,8 +52,9 @@ class ScheduledRequest:
     """Tokens generated so far (the live list; read-only for the runner, used by penalties)."""
     prompt_token_ids: list[int] = field(default_factory=list)
     """The prompt (read-only; repetition penalty and prompt logprobs read it)."""
-    eos_token_id: int | None = None
-    """The model's EOS token, banned (with stop_token_ids) while `min_tokens` is not reached."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's end-of-generation ids, banned (with stop_token_ids) while `min_tokens` is
+    not reached."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify (speculative decoding): the tail of `token_ids`, after the
     request's last token. The step computes their positions too and samples at each."""
@@ -266,7 +267,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
-            eos_token_id=request.eos_token_id,
+            eos_token_ids=request.eos_token_ids,
             spec_token_ids=spec,
             block_row=self.kv_cache.block_rows.get(request.request_id, -1),
         )
@@ -347,7 +348,7 @@ class Scheduler:
         params = request.sampling_params
         num_out = request.num_output_tokens
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id

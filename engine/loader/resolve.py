@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,13 @@ from .. import envs
 from ..errors import ModelNotFoundError
 from .gguf import convert_gguf
 
-__all__ = ["BUNDLED_MODELS", "BundledModel", "ModelNotFoundError", "resolve_model"]
+__all__ = [
+    "BUNDLED_MODELS",
+    "BundledModel",
+    "ModelNotFoundError",
+    "resolve_model",
+    "resolve_tokenizer",
+]
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,45 @@ def resolve_model(model: str | os.PathLike[str], revision: str | None = None) ->
     raise ModelNotFoundError(_not_found_message(text))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these makes a folder a tokenizer's (a tokenizer-only repository has no config.json)."""
+
+
+def resolve_tokenizer(tokenizer: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """A local folder with the files of `tokenizer=`, without touching the network: a local
+    folder, a hub-style name whose snapshot in the local Hugging Face cache holds tokenizer
+    files (no config.json needed), or anything `resolve_model` resolves.
+
+    Raises:
+        ModelNotFoundError: nothing matches, or `revision` is given for a local folder
+            (revisions select Hugging Face cache snapshots).
+    """
+    text = os.fspath(tokenizer).strip()
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if revision is not None:
+            raise ModelNotFoundError(
+                f"tokenizer_revision={revision!r} applies only to hub-style names found in "
+                f"the Hugging Face cache, but tokenizer={text!r} is a local folder; drop "
+                "tokenizer_revision= or pass the name"
+            )
+        return local
+    if _is_hub_name(text):
+        if revision is not None:
+            return _revision_from_hf_cache(text, revision, _tokenizer_in_folder, "tokenizer files")
+        found = _from_hf_cache(text, _tokenizer_in_folder)
+        if found is not None:
+            return found
+    return resolve_model(text, revision)
+
+
+def _tokenizer_in_folder(folder: Path) -> Path | None:
+    """`folder` when it holds a tokenizer's files, else None."""
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return folder
+    return _model_in_folder(folder)
+
+
 def _model_in_folder(folder: Path) -> Path | None:
     """`folder` itself when it has config.json, the conversion of its only .gguf, else None."""
     if (folder / "config.json").is_file():
@@ -141,8 +187,11 @@ def _is_hub_name(text: str) -> bool:
     return 1 <= len(parts) <= 2 and all(part and part not in (".", "..") for part in parts)
 
 
-def _from_hf_cache(name: str) -> Path | None:
-    """The snapshot of `name` in the local HF hub cache: `refs/main`'s, else the newest."""
+def _from_hf_cache(
+    name: str, accept: Callable[[Path], Path | None] = _model_in_folder
+) -> Path | None:
+    """The snapshot of `name` in the local HF hub cache that `accept` takes: `refs/main`'s,
+    else the newest."""
     repo = envs.hf_hub_cache() / ("models--" + name.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
@@ -155,14 +204,20 @@ def _from_hf_cache(name: str) -> Path | None:
     candidates += sorted(others, key=lambda entry: entry.stat().st_mtime, reverse=True)
     for snapshot in candidates:
         if snapshot.is_dir():
-            found = _model_in_folder(snapshot)
+            found = accept(snapshot)
             if found is not None:
                 return found
     return None
 
 
-def _revision_from_hf_cache(name: str, revision: str) -> Path:
-    """The snapshot of `name` at `revision` (a ref name, a commit hash or a unique prefix)."""
+def _revision_from_hf_cache(
+    name: str,
+    revision: str,
+    accept: Callable[[Path], Path | None] = _model_in_folder,
+    what: str = "config.json",
+) -> Path:
+    """The snapshot of `name` at `revision` (a ref name, a commit hash or a unique prefix),
+    which `accept` takes (it lacks `what` otherwise)."""
     repo = envs.hf_hub_cache() / ("models--" + name.replace("/", "--"))
     snapshots = repo / "snapshots"
     available = (
@@ -186,10 +241,10 @@ def _revision_from_hf_cache(name: str, revision: str) -> Path:
             f"({repo}); available: {known or 'none'}. batchlm never downloads; pass one of "
             "those or copy the snapshot into the cache"
         )
-    found = _model_in_folder(snapshot)
+    found = accept(snapshot)
     if found is None:
         raise ModelNotFoundError(
-            f"snapshot {snapshot} of {name!r} (revision={revision!r}) has no config.json"
+            f"snapshot {snapshot} of {name!r} (revision={revision!r}) has no {what}"
         )
     return found
 

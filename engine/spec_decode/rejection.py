@@ -93,7 +93,7 @@ class RejectionSampler:
                 row_params.append(r.sampling_params)
                 row_outputs.append(r.output_token_ids + spec[:j])
                 row_prompts.append(r.prompt_token_ids)
-                row_eos.append(r.eos_token_id)
+                row_eos.append(r.eos_token_ids)
                 draft_ids.append(spec[j] if j < len(spec) else -1)
         meta = SamplingMetadata.build(
             row_params,

@@ -168,9 +168,7 @@ class MultiprocExecutor(Executor):
         self._call_ids = itertools.count()
         self._tp = None
         self._watch_stop: Any = None
-        device = config.device.device
-        if device.type == "cuda":
-            device = torch.device("cuda", 0)
+        device = config.parallel.rank_device(config.device.device, 0)
         num_threads = None
         if device.type == "cpu":  # the ranks share this machine's cores
             num_threads = max(1, (os.cpu_count() or 1) // self.world_size)

@@ -279,7 +279,7 @@ class ModelRunner:
             dev,
             output_token_ids=[r.output_token_ids for r in sampled_reqs],
             prompt_token_ids=[r.prompt_token_ids for r in sampled_reqs],
-            eos_token_ids=[r.eos_token_id for r in sampled_reqs],
+            eos_token_ids=[r.eos_token_ids for r in sampled_reqs],
             return_sampling_mask=self.return_sampling_mask,
         )
         # [num_sampled, vocab]; an argmax alone reads them in the model's dtype.

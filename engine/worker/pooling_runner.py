@@ -6,8 +6,9 @@ padding into batches under the token budget, run once, pooled, and returned in i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,19 @@ class PoolingRunner:
         self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
         self.num_labels = getattr(self.model, "num_labels", None)
         self._staging = _PinnedStaging()
+        self._on_batch: Callable[[int], None] | None = None
+
+    @contextlib.contextmanager
+    def reporting(self, on_batch: Callable[[int], None]) -> Iterator[None]:
+        """Within the block, `on_batch(num_inputs)` is called as each batch of inputs is
+        done (a progress bar's update). One block at a time."""
+        if self._on_batch is not None:
+            raise RuntimeError("PoolingRunner.reporting blocks do not nest")
+        self._on_batch = on_batch
+        try:
+            yield
+        finally:
+            self._on_batch = None
 
     def release(self) -> None:
         """Drop the model so its memory returns to the device; nothing runs afterwards."""
@@ -241,6 +255,8 @@ class PoolingRunner:
         for batch, lens in self._batches(packed):
             hidden, plan = self._hidden(packed, batch, lens)
             yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
+            if self._on_batch is not None:
+                self._on_batch(len(batch))
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:
         """Starts copying device results to the host; `_HostCopy.wait()` returns them."""

@@ -80,7 +80,7 @@ class SamplingMetadata:
         device: torch.device,
         output_token_ids: Sequence[list[int]] | None = None,
         prompt_token_ids: Sequence[list[int]] | None = None,
-        eos_token_ids: Sequence[int | None] | None = None,
+        eos_token_ids: Sequence[Sequence[int]] | None = None,
         return_sampling_mask: bool = False,
     ) -> SamplingMetadata:
         """Gather the rows' settings into device tensors.
@@ -93,7 +93,7 @@ class SamplingMetadata:
             output_token_ids: Per row, the tokens generated so far (penalties, bad words,
                 min_tokens); None means none yet.
             prompt_token_ids: Per row, the prompt (repetition penalty).
-            eos_token_ids: Per row, the EOS id banned below min_tokens.
+            eos_token_ids: Per row, the end-of-generation ids banned below min_tokens.
             return_sampling_mask: See `SamplingMetadata.return_sampling_mask`.
         """
         greedy = [p.is_greedy for p in params]
@@ -145,14 +145,14 @@ def _build_processing(
     device: torch.device,
     output_token_ids: Sequence[list[int]] | None,
     prompt_token_ids: Sequence[list[int]] | None,
-    eos_token_ids: Sequence[int | None] | None,
+    eos_token_ids: Sequence[Sequence[int]] | None,
 ) -> LogitsProcessing | None:
     """The logits-processing tensors of a step; None (and no work) when no row needs them."""
     outputs: Sequence[list[int]] = output_token_ids or [[] for _ in params]
     if not any(_uses_processing(p, len(o)) for p, o in zip(params, outputs, strict=True)):
         return None
     prompts: Sequence[list[int]] = prompt_token_ids or [[] for _ in params]
-    eos_ids: Sequence[int | None] = eos_token_ids or [None] * len(params)
+    eos_ids: Sequence[Sequence[int]] = eos_token_ids or [()] * len(params)
     tensor = functools.partial(_to_device, device=device)
 
     proc = LogitsProcessing()
@@ -203,9 +203,7 @@ def _build_processing(
                 banned_rows.append(row)
                 banned_ids.append(token_id)
         if len(out) < p.min_tokens:
-            stop_ids = list(p.stop_token_ids or [])
-            if eos_ids[row] is not None:
-                stop_ids.append(eos_ids[row])
+            stop_ids = [*(p.stop_token_ids or []), *eos_ids[row]]
             banned_rows += [row] * len(stop_ids)
             banned_ids += stop_ids
     if bias_rows:

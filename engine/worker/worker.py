@@ -162,9 +162,8 @@ def run_worker_process(args: WorkerProcessArgs, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         conn.send((STARTED, os.getpid()))
-        device = args.config.device.device
+        device = args.config.parallel.rank_device(args.config.device.device, args.rank)
         if device.type == "cuda":
-            device = torch.device("cuda", args.rank)
             torch.cuda.set_device(device)
         elif args.num_threads:
             torch.set_num_threads(args.num_threads)

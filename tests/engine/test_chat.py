@@ -341,3 +341,37 @@ def test_chat_greedy_matches_hf(tiny_model_factory):
 
     with pytest.raises(InvalidPromptError, match=r"conversation 1, message 0 has no 'role'"):
         llm.chat([CONVERSATION, [{"content": "hi"}]], params, use_tqdm=False)
+
+
+def test_llm_chat_with_a_named_template(tiny_model_factory, tmp_path):
+    """`chat(chat_template="tool_use")` and `LLM(chat_template="tool_use")` pick the
+    tokenizer's named template (the name was read as a file path before), and a name the
+    tokenizer lacks is refused, naming the templates it has."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "named"
+    src = tiny_model_factory("llama")
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.chat_template = {
+        "default": "{% for m in messages %}D:{{ m.content }}{% endfor %}",
+        "tool_use": "{% for m in messages %}T:{{ m.content }}{% endfor %}",
+    }
+    tok.save_pretrained(str(folder))
+    messages = [{"role": "user", "content": "x"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm = LLM(str(folder), max_model_len=64)
+    assert llm.chat(messages, params)[0].prompt == "D:x"
+    out = llm.chat(messages, params, chat_template="tool_use")[0]
+    assert out.prompt == "T:x" and out.prompt_token_ids == tok("T:x")["input_ids"]
+    with pytest.raises(InvalidParamError, match=r"'tool_uses' is neither.*default, tool_use"):
+        llm.chat(messages, params, chat_template="tool_uses")
+    llm.shutdown()
+    named = LLM(str(folder), max_model_len=64, chat_template="tool_use")
+    assert named.chat(messages, params)[0].prompt == "T:x"
+    named.shutdown()
+    with pytest.raises(InvalidParamError, match="'rag' is neither"):
+        LLM(str(folder), max_model_len=64, chat_template="rag")

@@ -24,7 +24,7 @@ def make_manager(
 
 
 def make_request(request_id: str, token_ids) -> Request:
-    return Request(request_id, list(token_ids), SamplingParams(), None, 0)
+    return Request(request_id, list(token_ids), SamplingParams(), (), 0)
 
 
 def prefill(manager: KVCacheManager, request: Request) -> list[int]:

@@ -191,6 +191,37 @@ def test_reset_prefix_cache(llm):
 
 BAD_INPUTS = [
     ("empty string", lambda: ([""], None), InvalidPromptError, r"prompts\[0\] is empty"),
+    # vLLM's prompt keys that batchlm does not act on: refused, never run as text alone.
+    (
+        "multi_modal_data",
+        lambda: (["ok", {"prompt": "a cat", "multi_modal_data": {"image": b"..."}}], None),
+        InvalidPromptError,
+        r"prompts\[1\] has the key 'multi_modal_data': images, audio and video",
+    ),
+    (
+        "mm_processor_kwargs",
+        lambda: ([{"prompt": "a", "mm_processor_kwargs": {}}], None),
+        InvalidPromptError,
+        "'mm_processor_kwargs'",
+    ),
+    (
+        "cache_salt",
+        lambda: ([{"prompt_token_ids": [5, 6], "cache_salt": "x"}], None),
+        InvalidPromptError,
+        "'cache_salt': per-request prefix-cache salts are not supported",
+    ),
+    (
+        "prompt_embeds",
+        lambda: ([{"prompt_embeds": torch.zeros(2, 64)}], None),
+        InvalidPromptError,
+        "'prompt_embeds': embedding inputs are not supported",
+    ),
+    (
+        "unknown key",
+        lambda: ([{"prompt": "a", "promt": "b"}], None),
+        InvalidPromptError,
+        r"'promt': it is not a prompt key; a prompt dict takes only \['prompt', 'prompt_token_ids'\]",
+    ),
     ("empty ids", lambda: ([{"prompt_token_ids": []}], None), InvalidPromptError, "empty"),
     (
         "too long",
@@ -324,3 +355,17 @@ def test_vllm_call_options_run_unchanged_at_their_defaults(llm):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, lora_request="my-adapter")
     assert not llm.llm_engine.has_unfinished_requests()
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == plain
+
+
+def test_enqueue_shows_the_requests_being_added(llm):
+    made = []
+
+    def factory(**kwargs):
+        bar = tqdm(disable=True, **kwargs)
+        made.append(bar)
+        return bar
+
+    ids = llm.enqueue(PROMPTS, GREEDY, use_tqdm=factory)
+    (bar,) = made
+    assert (bar.total, bar.n, bar.desc) == (len(PROMPTS), len(PROMPTS), "Adding requests")
+    assert [o.request_id for o in llm.wait_for_completion(use_tqdm=False)] == ids

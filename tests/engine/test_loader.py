@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.loader import ModelNotFoundError, convert_gguf, resolve_model
 from batchlm.engine.loader import gguf as gguf_loader
 from batchlm.engine.loader import resolve as resolve_module
+from batchlm.engine.loader.resolve import resolve_tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -549,6 +551,35 @@ def test_resolve_from_hf_cache(tmp_path, monkeypatch):
     assert (folder / "config.json").is_file() and folder.is_relative_to(
         gguf_loader.envs.cache_dir()
     )
+
+
+def test_tokenizer_only_repository_in_the_hf_cache(tmp_path, monkeypatch, tiny_model_factory):
+    """`tokenizer=` names a tokenizer-only repository (no config.json) of the local cache,
+    at its main snapshot or a revision; `tokenizer_revision` with a local folder is refused
+    (revisions select cache snapshots)."""
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    model = tiny_model_factory("llama")
+    files = {f.name: f.read_text() for f in model.iterdir() if f.name.startswith("tokenizer")}
+    repo = hub / "models--acme--tok"
+    first = _snapshot(repo, "aaa111", files)
+    second = _snapshot(repo, "bbb222", files)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("aaa111")
+    assert resolve_tokenizer("acme/tok") == first
+    assert resolve_tokenizer("acme/tok", revision="bbb") == second
+    with pytest.raises(ModelNotFoundError, match="revision='zzz'"):
+        resolve_tokenizer("acme/tok", revision="zzz")
+    llm = LLM(str(model), tokenizer="acme/tok", max_model_len=64)
+    assert llm.llm_engine.config.model.tokenizer_path == str(first)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    own = LLM(str(model), max_model_len=64)
+    assert (
+        llm.generate(["a b c"], params)[0].outputs[0].token_ids
+        == own.generate(["a b c"], params)[0].outputs[0].token_ids
+    )
+    with pytest.raises(ModelNotFoundError, match="tokenizer_revision='v1'.*local folder"):
+        LLM(str(model), tokenizer=str(model), tokenizer_revision="v1")
 
 
 def test_unknown_name_error_says_what_to_do():

@@ -270,3 +270,84 @@ def test_lora_request_none_is_accepted_and_an_adapter_refused(minilm):
     ):
         with pytest.raises(InvalidParamError, match="lora_request='my-adapter'"):
             call()
+
+
+# ---- one engine shape, vLLM's options on the pooling calls --------------------------------
+
+
+def test_reset_prefix_cache_on_a_pooling_model(minilm):
+    """A pooling engine keeps no KV cache: nothing to forget, True as vLLM answers (it raised
+    AttributeError on an engine built without a cache)."""
+    assert minilm.reset_prefix_cache() is True
+    out = minilm.embed(["hello"], use_tqdm=False)[0].outputs.embedding
+    assert len(out) == 384
+
+
+def test_score_keeps_the_callers_pooling_params(minilm_dir, tmp_path):
+    """An embedding model's score is the cosine of the embeddings the caller's params make
+    (its matryoshka `dimensions` were dropped)."""
+    folder = tmp_path / "mrl"
+    shutil.copytree(minilm_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["matryoshka_dimensions"] = [384, 64]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder))
+    params = PoolingParams(dimensions=64)
+    got = [o.outputs.score for o in llm.score(PAIRS_Q, PAIRS_D, pooling_params=params)]
+    vectors = [
+        torch.tensor(o.outputs.embedding)
+        for o in llm.embed([PAIRS_Q, *PAIRS_D], PoolingParams(dimensions=64), use_tqdm=False)
+    ]
+    expected = [float(vectors[0] @ v) for v in vectors[1:]]
+    assert got == pytest.approx(expected, abs=1e-6)
+    full = [o.outputs.score for o in llm.score(PAIRS_Q, PAIRS_D)]
+    assert max(abs(a - b) for a, b in zip(got, full, strict=True)) > 1e-3
+    llm.shutdown()
+
+
+class _CountingBar:
+    """A progress-bar factory's bar that records what it was told."""
+
+    made: list[_CountingBar] = []
+
+    def __init__(self, total: int, desc: str, unit: str) -> None:
+        self.total, self.desc, self.unit, self.updates, self.closed = total, desc, unit, [], False
+        _CountingBar.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.updates.append(n)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def minilm_two_per_batch():
+    llm = LLM(MINILM, max_num_seqs=2)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("call", ["embed", "encode", "classify_refused", "score"])
+def test_pooling_calls_show_progress(minilm_two_per_batch, call):
+    """use_tqdm takes a bar factory, as in generate; the bar counts the call's inputs and
+    moves as each batch (two inputs here) is done."""
+    llm = minilm_two_per_batch
+    _CountingBar.made.clear()
+    texts = SENTENCES[:5]
+    if call == "classify_refused":  # a refused call makes no bar
+        with pytest.raises(InvalidParamError):
+            llm.classify(texts, use_tqdm=_CountingBar)
+        assert _CountingBar.made == []
+        return
+    if call == "score":
+        llm.score(texts[0], texts[1:], use_tqdm=_CountingBar)  # each distinct text once
+    else:
+        getattr(llm, call)(texts, use_tqdm=_CountingBar)
+    (bar,) = _CountingBar.made
+    assert (bar.total, bar.updates, bar.closed, bar.unit) == (5, [2, 2, 1], True, "texts")
+
+
+def test_token_classify_is_refused_by_name(minilm):
+    with pytest.raises(InvalidParamError, match="pooling_task='token_classify'.*not supported"):
+        minilm.encode(["hi"], pooling_task="token_classify")

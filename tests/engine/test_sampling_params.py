@@ -359,11 +359,11 @@ def test_sampler_mask_matches_reference_on_synthetic_logits():
 def test_processing_is_skipped_when_no_row_uses_it():
     params = [SamplingParams(), SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5)]
     meta = SamplingMetadata.build(
-        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3, 4]], eos_token_ids=[2, 2]
+        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3, 4]], eos_token_ids=[(2,), (2,)]
     )
     assert meta.processing is None  # min_tokens already reached
     meta = SamplingMetadata.build(
-        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3]], eos_token_ids=[2, 2]
+        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3]], eos_token_ids=[(2,), (2,)]
     )
     assert meta.processing is not None and meta.processing.penalty_rows is None
 
@@ -382,7 +382,7 @@ def test_processing_matches_per_row_reference_on_synthetic_logits():
         SamplingParams(bad_words=["x"], frequency_penalty=-2.0),
     ]
     params[4].bad_words_token_ids = [[20], [17, 21], [16, 22], [99, 17, 23]]
-    eos = [29, 29, 5, 29, 29]
+    eos = [(29,), (29,), (5,), (29,), (29,)]
     meta = SamplingMetadata.build(
         params,
         {},

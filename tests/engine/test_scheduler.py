@@ -47,7 +47,7 @@ def add(
         request_id,
         list(prompt),
         SamplingParams(**params),
-        eos_token_id,
+        () if eos_token_id is None else (eos_token_id,),
         scheduler.num_unfinished_requests,
     )
     scheduler.add_request(request)

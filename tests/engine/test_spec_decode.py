@@ -416,7 +416,7 @@ def test_ngram_proposer():
 def test_scheduler_computes_draft_positions_and_rolls_back_rejected_ones():
     kv_cache = KVCacheManager(16, 4, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv_cache, 64)
-    request = Request("a", [1, 2, 3, 4, 5], SamplingParams(), None, 0)
+    request = Request("a", [1, 2, 3, 4, 5], SamplingParams(), (), 0)
     scheduler.add_request(request)
     out = scheduler.schedule()
     scheduler.update_from_output(out, {"a": 6})

@@ -19,6 +19,7 @@ import pytest
 from batchlm.engine import LLM, SamplingParams
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.fault_injection import SPARK_TRACE_PROPERTY
+from batchlm.operators.rows import RowContractError
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_RECORDS_PER_BATCH = 32
@@ -362,7 +363,12 @@ def test_device_follows_the_tasks_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     assert spark_udf.task_device(config) == "cuda:1"
     tp = OperatorConfig.create(MINILM, "embed", engine_kwargs={"tensor_parallel_size": 2})
-    assert spark_udf.task_device(tp) == "cuda"
+    assert spark_udf.task_device(tp) == "cuda:1,2"  # each rank on one of the task's GPUs
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)  # isolated: renumbered from 0
+    assert spark_udf.task_device(tp) == "cuda:0,1"
+    tp3 = OperatorConfig.create(MINILM, "embed", engine_kwargs={"tensor_parallel_size": 3})
+    with pytest.raises(RowContractError, match="spark.task.resource.gpu.amount=3"):
+        spark_udf.task_device(tp3)
     pinned = OperatorConfig.create(MINILM, "embed", engine_kwargs={"device": "cpu"})
     assert spark_udf.task_device(pinned) == "cpu"
     monkeypatch.setattr(spark_udf, "_task_context", lambda: None)  # outside a Spark task
