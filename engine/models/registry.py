@@ -42,6 +42,12 @@ _POOLING: dict[str, tuple[str, str, str]] = {
         "XLMRobertaForSequenceClassification",
         "classify",
     ),
+    "ModernBertModel": ("modernbert", "ModernBertModel", "embed"),
+    "ModernBertForSequenceClassification": (
+        "modernbert",
+        "ModernBertForSequenceClassification",
+        "classify",
+    ),
 }
 # Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class.
 _DECODER_CLASSIFIERS = {
