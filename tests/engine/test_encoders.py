@@ -367,9 +367,6 @@ def test_st_config_synthetic_folders(tmp_path):
         read_sentence_transformers_config(
             _st_folder(tmp_path / "two", {"pooling_mode": ["cls", "mean"]})
         )
-    dense = ("sentence_transformers.models.Dense",)
-    with pytest.raises(UnsupportedModelError, match="Dense"):
-        read_sentence_transformers_config(_st_folder(tmp_path / "dense", current_last, dense))
     custom = ("my_package.MyModule",)
     with pytest.raises(UnsupportedModelError, match="my_package.MyModule"):
         read_sentence_transformers_config(_st_folder(tmp_path / "custom", current_last, custom))

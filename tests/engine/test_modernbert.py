@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from batchlm.engine import LLM, PoolingParams
-from batchlm.engine.errors import UnsupportedModelError
+from batchlm.engine.errors import InvalidParamError, UnsupportedModelError
 from batchlm.engine.loader.resolve import resolve_model
 from batchlm.engine.loader.weights import build_model
 from batchlm.engine.models.layers.pooler import PoolingType, pool
@@ -24,6 +24,8 @@ from batchlm.engine.models.modernbert import (
     ModernBertModel,
     layer_types_of,
 )
+
+from .st_reference import st_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,9 +72,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     """`base` (plain HF folder), `st` (mean pooling + Normalize), `cls3` (3 labels, mean
     pooling) and `ce` (one label, CLS pooling), each with the MiniLM tokenizer."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Normalize, Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
 
+    st = st_modules()
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         resolve_model("sentence-transformers/all-MiniLM-L6-v2")
     )
@@ -84,8 +85,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         config = _config(num_labels=labels, classifier_pooling=pooling)
         transformers.ModernBertForSequenceClassification(config).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
-    body = Transformer(str(root / "base"), max_seq_length=64)
-    modules = [body, Pooling(64, pooling_mode="mean"), Normalize()]
+    body = st.Transformer(str(root / "base"), max_seq_length=64)
+    modules = [body, st.Pooling(64, pooling_mode="mean"), st.Normalize()]
     SentenceTransformer(modules=modules, device="cpu").save(str(root / "st"))
     return {name: root / name for name in ("base", "st", "cls3", "ce")}
 
@@ -192,6 +193,8 @@ def test_classifier_probabilities_and_scores_match_transformers(folders):
     assert llm.llm_engine.pooling_runner.model.default_pooling_type is PoolingType.MEAN
     got = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    with pytest.raises(InvalidParamError, match="token_embed"):
+        llm.encode(TEXTS[:1], pooling_task="token_embed")
 
     ce = folders["ce"]
     hf = transformers.ModernBertForSequenceClassification.from_pretrained(ce).eval()
