@@ -126,7 +126,9 @@ class PoolingMixin:
         """Relevance of each (data_1, data_2) pair: 1↔1, 1↔N (data_1 is broadcast) or N↔N.
 
         A cross-encoder (a classifier with one label) reads each pair together and applies
-        its sigmoid; an embedding model scores the cosine of the two embeddings.
+        its sigmoid; an embedding model scores the cosine of the two embeddings; a
+        late-interaction (ColBERT) model scores MaxSim: for each token of data_1 the best dot
+        product with a token of data_2, summed (normalised token vectors).
         """
         from .worker.pooling_runner import PackedInputs
 
@@ -162,14 +164,16 @@ class PoolingMixin:
             query_ids = inputs.prompt_token_ids()
         else:
             texts = list(dict.fromkeys([*left, *right]))
-            # The caller's params (matryoshka dimensions, truncation), on unit vectors: the
-            # score is their cosine.
+            # The caller's params (matryoshka dimensions, truncation); an embedding model
+            # scores the cosine of unit vectors.
             unit = dataclasses.replace(params, normalize=True)
             text_inputs, text_params = self._pooling_inputs(texts, unit, truncate_prompt_tokens)
+            row_of = {text: i for i, text in enumerate(texts)}
             with self._progress(runner, use_tqdm, len(text_inputs)):
-                vectors = dict(zip(texts, runner.embed(text_inputs, text_params), strict=True))
+                values = runner.score_pairs(
+                    text_inputs, text_params, [row_of[a] for a in left], [row_of[b] for b in right]
+                )
             self._record_pooling(text_inputs, start)
-            values = [float(vectors[a] @ vectors[b]) for a, b in zip(left, right, strict=True)]
             by_text = dict(zip(texts, text_inputs.prompt_token_ids(), strict=True))
             query_ids = [by_text[a] for a in left]  # the query side's tokens
         return [
@@ -187,7 +191,8 @@ class PoolingMixin:
         lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
         """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
-        `classify` or `token_embed` (every token's final hidden state)."""
+        `classify` or `token_embed` (every token's final hidden state; a late-interaction
+        model's normalised projected token vectors)."""
         check_unsupported_options(lora_request)
         if pooling_task == "token_classify":
             raise InvalidParamError(
@@ -207,9 +212,7 @@ class PoolingMixin:
         elif pooling_task == "classify":
             run = runner.classify
         else:
-
-            def run(inputs: PackedInputs, params: list[PoolingParams]) -> list[Any]:
-                return runner.token_embed(inputs)
+            run = runner.token_embed
 
         with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
             inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
@@ -250,11 +253,15 @@ class PoolingMixin:
             )
         runner = self.llm_engine.pooling_runner
         if task is not None and runner.task != task:
-            hint = (
-                "load a *ForSequenceClassification checkpoint"
-                if task == "classify"
-                else "use classify() or score() with this classifier"
-            )
+            if task == "classify":
+                hint = "load a *ForSequenceClassification checkpoint"
+            elif runner.task == "token_embed":
+                hint = (
+                    "this late-interaction model gives token vectors: use "
+                    "encode(pooling_task='token_embed') or score()"
+                )
+            else:
+                hint = "use classify() or score() with this classifier"
             raise InvalidParamError(
                 f"{method}() needs a model that can {task}, but this one does {runner.task}; "
                 + hint

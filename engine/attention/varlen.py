@@ -5,7 +5,8 @@ sequence `i` is rows `cu_seqlens[i]:cu_seqlens[i + 1]` of `[num_tokens, heads, h
 tensors. Sequences are grouped by similar length, each group padded into a
 `[num_seqs, heads, max_len, head_dim]` batch for one `scaled_dot_product_attention` call
 (a key-padding mask when bidirectional, `is_causal` when causal), then unpadded. GQA repeats
-key / value heads explicitly, which keeps SDPA on its fused paths.
+key / value heads explicitly, which keeps SDPA on its fused paths. Bidirectional attention may
+be local: each token then sees only the keys within `window` positions on either side.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class VarlenPlan:
         self.cu_seqlens_device = cu_seqlens_device
         """`[num_seqs + 1]` int32 on the device, for the flash path (None: not provided)."""
         self._groups: list[VarlenGroup] | None = None
+        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
     def build(
@@ -103,6 +105,26 @@ class VarlenPlan:
         """One group holds every token in packed order, so its output needs no scatter."""
         return len(self.groups) == 1
 
+    def window_mask(self, group_index: int, window: int) -> torch.Tensor:
+        """`[num_seqs, 1, max_len, max_len]` bool mask of group `group_index` for local
+        attention: True where the key is real and at most `window` positions from the query.
+        Padding query rows keep every real key, so no row is fully masked. Built once per plan
+        and window, shared by the layers that use it."""
+        key = (group_index, window)
+        mask = self._window_masks.get(key)
+        if mask is None:
+            group = self.groups[group_index]
+            slots = torch.arange(group.max_len, device=self.device)
+            band = (slots[:, None] - slots[None, :]).abs() <= window  # [max_len, max_len]
+            if group.key_mask is None:
+                mask = band[None, None]
+            else:
+                is_real = group.key_mask[:, 0, 0, :]  # [num_seqs, max_len]
+                mask = (band[None] | ~is_real[:, :, None]) & is_real[:, None, :]
+                mask = mask[:, None]
+            self._window_masks[key] = mask
+        return mask
+
 
 def _groups(cu: list[int], device: torch.device) -> list[VarlenGroup]:
     seqs = [i for i in range(len(cu) - 1) if cu[i + 1] > cu[i]]
@@ -129,11 +151,19 @@ def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 def _flash_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: VarlenPlan,
+    scale: float,
+    causal: bool,
+    window: int | None,
 ) -> torch.Tensor:
     cu = plan.cu_seqlens_device
+    # Flash attention's window bounds are inclusive, on each side of the query.
+    sides = {} if window is None else {"window_size_left": window, "window_size_right": window}
     out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, plan.max_len, plan.max_len, 0.0, causal, False, scale=scale
+        q, k, v, cu, cu, plan.max_len, plan.max_len, 0.0, causal, False, scale=scale, **sides
     )[0]
     return out  # [num_tokens, num_heads, head_dim]
 
@@ -173,6 +203,7 @@ def varlen_attention(
     cu_seqlens: Sequence[int] | VarlenPlan,
     scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Self-attention within each packed sequence.
 
@@ -185,6 +216,9 @@ def varlen_attention(
             forward so that layers share the padding indices.
         scale: Softmax scale, usually `head_dim ** -0.5`.
         causal: Token `j` attends to tokens `<= j` of its sequence; else to all of them.
+        window: Bidirectional local attention: token `j` attends to the tokens `i` of its
+            sequence with `|i - j| <= window` (ModernBERT's `local_attention // 2`). None: to
+            all of them. Not combined with `causal`.
 
     Returns:
         The attention output, rows in the order of `q`.
@@ -193,6 +227,8 @@ def varlen_attention(
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if window is not None and (causal or window < 0):
+        raise ValueError(f"window={window} needs causal=False and window >= 0")
     plan = (
         cu_seqlens if isinstance(cu_seqlens, VarlenPlan) else VarlenPlan.build(cu_seqlens, q.device)
     )
@@ -204,17 +240,20 @@ def varlen_attention(
         if group_size > 1:
             k = k.repeat_interleave(group_size, dim=1)
             v = v.repeat_interleave(group_size, dim=1)
-        return _flash_varlen(q, k, v, plan, scale, causal)
+        return _flash_varlen(q, k, v, plan, scale, causal, window)
     if group_size > 1:
         k = k.repeat_interleave(group_size, dim=1)  # [num_tokens, num_heads, head_dim]
         v = v.repeat_interleave(group_size, dim=1)
     out = q.new_empty(q.shape)
-    for g in plan.groups:
+    for group_index, g in enumerate(plan.groups):
+        mask = None if causal else g.key_mask
+        if window is not None and window < g.max_len - 1:  # else the band covers every key
+            mask = plan.window_mask(group_index, window)
         attn = F.scaled_dot_product_attention(
             _pad(q, g),
             _pad(k, g),
             _pad(v, g),
-            attn_mask=None if causal else g.key_mask,
+            attn_mask=mask,
             is_causal=causal,
             scale=scale,
         )  # [num_seqs, num_heads, max_len, head_dim]
@@ -238,6 +277,7 @@ def varlen_attention_ref(
     cu_seqlens: Sequence[int],
     scale: float,
     causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`varlen_attention` one sequence at a time, with an explicit softmax (for tests)."""
     group_size = q.shape[1] // k.shape[1]
@@ -249,9 +289,13 @@ def varlen_attention_ref(
         ks = k[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1).float()
         vs = v[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1).float()
         scores = qs @ ks.transpose(1, 2) * scale  # [num_heads, len, len]
+        length = end - start
         if causal:
-            length = end - start
             future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
+        if window is not None:
+            slots = torch.arange(length, device=q.device)
+            far = (slots[:, None] - slots[None, :]).abs() > window
+            scores = scores.masked_fill(far, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
     return out

@@ -2,9 +2,14 @@
 
 A sentence-transformers model is the HF checkpoint (the `Transformer` module) followed by
 modules that turn token states into the embedding. batchlm runs the pipelines it can
-reproduce exactly — one `Pooling` (CLS, mean or last token) and an optional `Normalize` —
-and refuses the rest (`Dense` projections, max / weighted pooling, custom modules) rather
-than return embeddings that differ from the model's.
+reproduce exactly — one `Pooling` (CLS, mean or last token), then any `Dense` projections,
+then an optional `Normalize` — and refuses the rest (max / weighted pooling, Dense modules
+with a residual connection or an activation outside `torch.nn`'s plain ones, custom modules)
+rather than return embeddings that differ from the model's.
+
+A pipeline with no `Pooling` whose `Dense` modules read every token's state (PyLate's
+`pylate.models.Dense.Dense`, or a `Dense` with `module_input_name: token_embeddings`) is a
+late-interaction (ColBERT) model: one vector per token, scored by MaxSim.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedModelError
+from ..models.layers.dense_head import dense_activation
 from ..models.layers.pooler import PoolingType
 
-__all__ = ["SentenceTransformersConfig", "read_sentence_transformers_config"]
+__all__ = ["DenseModuleConfig", "SentenceTransformersConfig", "read_sentence_transformers_config"]
 
 # Names the Transformer module's settings file has had across sentence-transformers versions.
 _TRANSFORMER_CONFIG_FILES = (
@@ -42,6 +48,31 @@ _LEGACY_MODE_KEYS = {
 }
 
 
+# PyLate's Dense module: sentence-transformers' Dense applied to every token's state.
+_PYLATE_DENSE_TYPES = ("pylate.models.Dense.Dense", "pylate.models.Dense")
+# sentence-transformers' Dense default activation, when its config names none.
+_DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"
+
+
+@dataclass(frozen=True)
+class DenseModuleConfig:
+    """One `Dense` module of the pipeline: `activation(linear(x))`."""
+
+    path: Path
+    """The module's folder, holding `config.json` and the weights (`model.safetensors` or
+    `pytorch_model.bin`, tensors `linear.weight` and `linear.bias`)."""
+    in_features: int
+    """Width of its input."""
+    out_features: int
+    """Width of its output."""
+    bias: bool
+    """Whether `linear` has a bias."""
+    activation: str
+    """The activation's `torch.nn` class path as saved (`torch.nn.modules.activation.Tanh`)."""
+    is_per_token: bool
+    """Applied to every token's state (late interaction) rather than to the pooled vector."""
+
+
 @dataclass(frozen=True)
 class SentenceTransformersConfig:
     """What a sentence-transformers folder adds on top of its Hugging Face checkpoint."""
@@ -58,6 +89,14 @@ class SentenceTransformersConfig:
     """Text is lower-cased before tokenization."""
     include_prompt: bool
     """Prompt tokens take part in pooling (False for INSTRUCTOR-style models)."""
+    dense_modules: tuple[DenseModuleConfig, ...] = ()
+    """The `Dense` modules in pipeline order: after pooling, or on every token (late
+    interaction), before the `Normalize` module when there is one."""
+
+    @property
+    def is_late_interaction(self) -> bool:
+        """The pipeline projects every token (no pooling): a ColBERT-style model."""
+        return any(d.is_per_token for d in self.dense_modules)
 
 
 def read_sentence_transformers_config(folder: Path) -> SentenceTransformersConfig | None:
@@ -65,9 +104,10 @@ def read_sentence_transformers_config(folder: Path) -> SentenceTransformersConfi
     `modules.json` (a plain Hugging Face folder).
 
     Raises:
-        UnsupportedModelError: the pipeline holds a module batchlm cannot reproduce (`Dense`,
-            max / weighted-mean / sqrt-length pooling, several pooling modes, custom modules),
-            or a file is unreadable.
+        UnsupportedModelError: the pipeline holds a module batchlm cannot reproduce (max /
+            weighted-mean / sqrt-length pooling, several pooling modes, a Dense module with a
+            residual or an unsupported activation, modules out of order, custom modules), or a
+            file is unreadable.
     """
     folder = Path(folder)
     modules_file = folder / "modules.json"
@@ -77,31 +117,43 @@ def read_sentence_transformers_config(folder: Path) -> SentenceTransformersConfi
     if not isinstance(modules, list):
         raise UnsupportedModelError(f"{modules_file} is not a list of modules")
     pooling_type: PoolingType | None = None
+    has_pooling = False
     include_prompt = True
     normalize = False
+    dense: list[DenseModuleConfig] = []
     transformer: dict[str, Any] = {}
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
         kind = str(module.get("type", ""))
         name = kind.rsplit(".", 1)[-1]
         path = folder / str(module.get("path", ""))
+        is_pylate_dense = kind in _PYLATE_DENSE_TYPES
         is_ours = kind.startswith("sentence_transformers.")
-        if is_ours and name == "Dense":
+        where = f"{modules_file} lists {kind!r} (path {module.get('path')!r})"
+        if not is_pylate_dense and (
+            not is_ours or name not in ("Transformer", "Pooling", "Dense", "Normalize")
+        ):
             raise UnsupportedModelError(
-                f"{modules_file} has a Dense module ({kind!r} at {module.get('path')!r}); "
-                "batchlm does not support sentence-transformers Dense projections yet"
+                f"{where}; batchlm supports sentence-transformers pipelines of Transformer, "
+                "Pooling, Dense and Normalize modules (and PyLate's Dense) only"
             )
-        if not is_ours or name not in ("Transformer", "Pooling", "Normalize"):
+        if normalize:
             raise UnsupportedModelError(
-                f"{modules_file} lists module {kind!r} (path {module.get('path')!r}); batchlm "
-                "supports sentence-transformers pipelines of Transformer, Pooling and "
-                "Normalize modules only"
+                f"{where} after Normalize; batchlm supports Normalize only as the last module"
             )
         if name == "Transformer":
             transformer = _transformer_config(path)
         elif name == "Pooling":
+            if has_pooling or dense:
+                raise UnsupportedModelError(
+                    f"{where} after a Pooling or Dense module; batchlm supports one Pooling "
+                    "module, right after the Transformer"
+                )
             pooling = _read_json(path / "config.json")
             pooling_type = _pooling_type(pooling, path / "config.json")
             include_prompt = bool(pooling.get("include_prompt", True))
+            has_pooling = True
+        elif name == "Dense":
+            dense.append(_dense_config(path, is_pylate_dense, has_pooling))
         else:
             normalize = True
     max_seq_length = transformer.get("max_seq_length")
@@ -111,6 +163,54 @@ def read_sentence_transformers_config(folder: Path) -> SentenceTransformersConfi
         max_seq_length=int(max_seq_length) if max_seq_length is not None else None,
         do_lower_case=bool(transformer.get("do_lower_case", False)),
         include_prompt=include_prompt,
+        dense_modules=tuple(dense),
+    )
+
+
+def _dense_config(path: Path, is_pylate: bool, has_pooling: bool) -> DenseModuleConfig:
+    """A Dense module's settings; it reads the pooled vector after a Pooling module, and
+    every token's state in a pipeline without one (PyLate, late interaction)."""
+    source = path / "config.json"
+    config = _read_json(source)
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{source} is not a JSON object")
+    input_name = config.get("module_input_name") or (
+        "token_embeddings" if is_pylate else "sentence_embedding"
+    )
+    output_name = config.get("module_output_name") or input_name
+    is_per_token = input_name == "token_embeddings"
+    if input_name not in ("token_embeddings", "sentence_embedding") or output_name != input_name:
+        raise UnsupportedModelError(
+            f"{source} reads {input_name!r} and writes {output_name!r}; batchlm supports Dense "
+            "modules that transform sentence_embedding or token_embeddings in place"
+        )
+    if is_per_token == has_pooling:
+        raise UnsupportedModelError(
+            f"{source} projects {input_name!r} in a pipeline "
+            + ("with" if has_pooling else "without")
+            + " a Pooling module; batchlm supports Dense on the pooled vector after Pooling, "
+            "or on every token (late interaction) without Pooling"
+        )
+    if config.get("use_residual", False):
+        raise UnsupportedModelError(
+            f"{source} sets use_residual=true; batchlm supports Dense modules without the "
+            "residual connection only"
+        )
+    activation = str(config.get("activation_function") or _DEFAULT_DENSE_ACTIVATION)
+    dense_activation(activation)  # raises naming the supported ones
+    try:
+        in_features, out_features = int(config["in_features"]), int(config["out_features"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedModelError(
+            f"{source} needs integer in_features and out_features ({e})"
+        ) from None
+    return DenseModuleConfig(
+        path=path,
+        in_features=in_features,
+        out_features=out_features,
+        bias=bool(config.get("bias", True)),
+        activation=activation,
+        is_per_token=is_per_token,
     )
 
 

@@ -139,9 +139,13 @@ def load_weights(
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
+    # A model body saved from a wrapper carries the wrapper's prefix (`model.`): dropped.
+    stripped_prefixes = tuple(getattr(model, "stripped_checkpoint_prefixes", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
         name = checkpoint_param_name(checkpoint_name)
+        if name is not None and stripped_prefixes and name.startswith(stripped_prefixes):
+            name = name[len(next(p for p in stripped_prefixes if name.startswith(p))) :]
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)

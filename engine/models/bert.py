@@ -20,7 +20,7 @@ from ..errors import UnsupportedModelError
 from .layers.linear import MergedLinear
 from .layers.pooler import PoolingType
 
-__all__ = ["BertForSequenceClassification", "BertModel"]
+__all__ = ["BertForSequenceClassification", "BertModel", "encoder_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -32,14 +32,21 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    name = getattr(config, "hidden_act", "gelu")
+def encoder_activation(
+    name: Any, setting: str = "hidden_act"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of a Hugging Face activation name (`ACT2FN`'s spelling) that the encoder
+    layers support; `setting` is the config key it came from, for the error."""
     if not isinstance(name, str) or name not in _ACTIVATIONS:
         raise UnsupportedModelError(
-            f"hidden_act={name!r} is not supported by the encoder layers; supported: "
+            f"{setting}={name!r} is not supported by the encoder layers; supported: "
             f"{', '.join(sorted(_ACTIVATIONS))}"
         )
     return _ACTIVATIONS[name]
+
+
+def _activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    return encoder_activation(getattr(config, "hidden_act", "gelu"))
 
 
 def _check_supported(config: Any) -> None:

@@ -42,6 +42,14 @@ _POOLING: dict[str, tuple[str, str, str]] = {
         "XLMRobertaForSequenceClassification",
         "classify",
     ),
+    "ModernBertModel": ("modernbert", "ModernBertModel", "embed"),
+    "ModernBertForSequenceClassification": (
+        "modernbert",
+        "ModernBertForSequenceClassification",
+        "classify",
+    ),
+    # Late interaction: one projected vector per token (`loader/pooling_heads.py`).
+    "HF_ColBERT": ("colbert", "ColBertModel", "token_embed"),
 }
 # Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class.
 _DECODER_CLASSIFIERS = {
@@ -58,9 +66,18 @@ def check_supported(architecture: str) -> None:
     neither generate nor pool."""
     if architecture in {**_GENERATIVE, **_POOLING, **_DECODER_CLASSIFIERS}:
         return
+    hint = ""
+    if "colbert" in architecture.lower():
+        hint = (
+            ". Late-interaction models load as HF_ColBERT checkpoints (BERT + linear.weight) or "
+            "as sentence-transformers folders whose Dense modules follow the Transformer "
+            "without a Pooling module (PyLate), with their body's own architecture in "
+            "config.json."
+        )
     raise UnsupportedModelError(
         f"architecture {architecture or '(none in config.json)'!r} is not supported. "
         + what_is_supported()
+        + hint
     )
 
 
@@ -74,7 +91,9 @@ def what_is_supported() -> str:
 
 
 def pooling_task_of(architecture: str, convert: str) -> str:
-    """`embed` or `classify`: what a pooling model of `architecture` does.
+    """`embed`, `classify` or `token_embed` (late interaction): what a pooling model of
+    `architecture` does. (A sentence-transformers folder can make an embedding body a
+    late-interaction model; the pooling runner decides that from its modules.)
 
     Raises:
         UnsupportedModelError: the architecture cannot pool, or `convert` asks for a task it

@@ -2,6 +2,8 @@
 
 No KV cache and no scheduler: inputs are sorted by length, packed back to back without
 padding into batches under the token budget, run once, pooled, and returned in input order.
+Projections after the encoder (sentence-transformers `Dense` modules, a late-interaction
+model's token projection) come from `loader/pooling_heads.py`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from ..attention.selector import get_attention_backend
 from ..attention.varlen import VarlenPlan
 from ..config import EngineConfig
 from ..errors import InvalidParamError
+from ..loader.pooling_heads import load_pooling_heads
 from ..loader.st_config import read_sentence_transformers_config
 from ..loader.weights import build_model
 from ..models.layers.pooler import PoolingType, pool
 from ..models.registry import build_pooling_model_kwargs, pooling_task_of
 from ..pooling_params import PoolingParams
+from .late_interaction import maxsim
 from .step_buffers import start_copy_to_host
 
 # On CPU a forward of more tokens than this gains nothing from matmul efficiency, while its
@@ -166,6 +170,13 @@ class PoolingRunner:
         )
         self.model = build_model(cls, Path(mc.path), mc.dtype, self.device, **kwargs)
         st = read_sentence_transformers_config(Path(mc.path))
+        hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
+        self.heads = load_pooling_heads(
+            Path(mc.path), mc.architecture, self.task, hidden_size, st, self.device
+        )
+        self.is_late_interaction = self.heads.is_late_interaction
+        if self.is_late_interaction:
+            self.task = "token_embed"
         st_pooling = st.pooling_type if st else None
         self.pooling_type = st_pooling or self.model.default_pooling_type
         self.default_normalize = st.normalize if st else True
@@ -189,6 +200,10 @@ class PoolingRunner:
             yield
         finally:
             self._on_batch = None
+
+    def _report(self, num_inputs: int) -> None:
+        if self._on_batch is not None:
+            self._on_batch(num_inputs)
 
     def release(self) -> None:
         """Drop the model so its memory returns to the device; nothing runs afterwards."""
@@ -255,8 +270,7 @@ class PoolingRunner:
         for batch, lens in self._batches(packed):
             hidden, plan = self._hidden(packed, batch, lens)
             yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
-            if self._on_batch is not None:
-                self._on_batch(len(batch))
+            self._report(len(batch))
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:
         """Starts copying device results to the host; `_HostCopy.wait()` returns them."""
@@ -273,6 +287,11 @@ class PoolingRunner:
     ) -> list[torch.Tensor] | list[list[float]]:
         """One float32 vector per input (normalised / truncated per its params): CPU tensors,
         or Python lists when `as_lists` (converted a batch at a time)."""
+        if self.is_late_interaction:
+            raise InvalidParamError(
+                "this late-interaction (ColBERT) model gives one vector per token, not one per "
+                "input; use encode(pooling_task='token_embed') or score()"
+            )
         for i, p in enumerate(params):
             if p.dimensions is not None and not self.is_matryoshka:
                 raise InvalidParamError(
@@ -291,6 +310,8 @@ class PoolingRunner:
         pending = None
         for batch, pooled in self._pooled(inputs, self.pooling_type):
             pooled = pooled.float()  # [B, hidden]
+            for head in self.heads.sentence:
+                pooled = head(pooled)  # [B, out_features]
             # Rows sharing (dimensions, normalize) are processed together, on the device,
             # and copied to the host once per batch.
             by_key: dict[tuple[int | None, bool], list[int]] = {}
@@ -349,13 +370,79 @@ class PoolingRunner:
             finish(*pending)
         return out  # type: ignore[return-value]
 
-    def token_embed(self, inputs: PackedInputs | Sequence[PoolingInput]) -> list[torch.Tensor]:
-        """Per-token final hidden states `[len, hidden]` per input."""
+    @torch.inference_mode()
+    def token_embed(
+        self, inputs: PackedInputs | Sequence[PoolingInput], params: list[PoolingParams]
+    ) -> list[torch.Tensor]:
+        """`[len, dim]` per input: a late-interaction model's projected token vectors
+        (L2-normalised unless `normalize=False`), else every token's final hidden state."""
+        if self.num_labels is not None:
+            raise InvalidParamError(
+                "pooling_task='token_embed' needs an embedding or late-interaction model; this "
+                "one is a classifier: use classify() or encode(pooling_task='classify')"
+            )
         out: list[torch.Tensor | None] = [None] * len(inputs)
-        for batch, pooled in self._pooled(inputs, PoolingType.ALL):
-            for row, i in enumerate(batch):
-                out[i] = pooled[row].float().cpu()
+        if not self.is_late_interaction:
+            for batch, pooled in self._pooled(inputs, PoolingType.ALL):
+                for row, i in enumerate(batch):
+                    out[i] = pooled[row].float().cpu()
+            return out  # type: ignore[return-value]
+        packed = PackedInputs.of(inputs)
+        for batch, lens in self._batches(packed):
+            wants = [params[i].normalize is not False for i in batch]
+            vectors = self._token_vectors(packed, batch, lens, normalize=all(wants))
+            (host,) = self._to_host([vectors]).wait_pageable()
+            parts = host.split(lens.tolist())
+            for i, wanted, part in zip(batch, wants, parts, strict=True):
+                # A batch that mixes both asks is normalised here, per input.
+                out[i] = F.normalize(part, p=2, dim=-1) if wanted and not all(wants) else part
+            self._report(len(batch))
         return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _token_vectors(
+        self, packed: PackedInputs, batch: list[int], lens: np.ndarray, normalize: bool = True
+    ) -> torch.Tensor:  # [num_batch_tokens, dim] float32, on the device
+        """A late-interaction batch's token vectors: the encoder's states through the token
+        projections, L2-normalised per token when `normalize`."""
+        hidden, _ = self._hidden(packed, batch, lens)
+        vectors = hidden
+        for head in self.heads.tokens:
+            vectors = head(vectors)
+        return F.normalize(vectors.float(), p=2, dim=-1) if normalize else vectors.float()
+
+    @torch.inference_mode()
+    def score_pairs(
+        self,
+        inputs: PackedInputs | Sequence[PoolingInput],
+        params: list[PoolingParams],
+        query_rows: Sequence[int],
+        doc_rows: Sequence[int],
+    ) -> list[float]:
+        """The score of each pair `(inputs[query_rows[p]], inputs[doc_rows[p]])`: MaxSim over
+        normalised token vectors for a late-interaction model, else the dot product of the
+        two embeddings that `params` make (the cosine, with `normalize=True`)."""
+        packed = PackedInputs.of(inputs)
+        if not self.is_late_interaction:
+            vectors = self.embed(packed, params)
+            return [
+                float(vectors[a] @ vectors[b]) for a, b in zip(query_rows, doc_rows, strict=True)
+            ]
+        # Every input's vectors stay on the device, in input order, until the pairs are scored.
+        offsets = packed.offsets
+        dim = self.heads.tokens[-1].linear.out_features
+        all_vectors = torch.empty(int(offsets[-1]), dim, device=self.device)
+        for batch, lens in self._batches(packed):
+            cu = np.zeros(len(batch) + 1, np.int64)
+            np.cumsum(lens, out=cu[1:])
+            # Row of each batch token in the input-ordered layout.
+            rows = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(
+                offsets[np.asarray(batch, np.int64)] - cu[:-1], lens
+            )
+            vectors = self._token_vectors(packed, batch, lens)
+            all_vectors.index_copy_(0, torch.from_numpy(rows).to(self.device), vectors)
+            self._report(len(batch))
+        return maxsim(all_vectors, offsets, query_rows, doc_rows).cpu().tolist()
 
 
 @dataclass
