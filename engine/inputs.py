@@ -116,6 +116,11 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
             check_text(p, f"prompts[{i}]")
             out.append({"prompt": p})
         elif isinstance(p, dict):
+            if PROMPT_KEYS.isdisjoint(p) and _UNSUPPORTED_KEYS.keys().isdisjoint(p):
+                raise InvalidPromptError(
+                    f"prompts[{i}] has keys {sorted(p)}; a prompt dict needs 'prompt' (text) "
+                    "or 'prompt_token_ids'"
+                )
             _check_prompt_keys(p, i)
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
@@ -124,18 +129,13 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
                         f"prompts[{i}]['prompt_token_ids'] must be a list of ints"
                     )
                 out.append({"prompt_token_ids": list(ids), "prompt": p.get("prompt")})
-            elif "prompt" in p:
+            else:
                 if not isinstance(p["prompt"], str):
                     raise InvalidPromptError(
                         f"prompts[{i}]['prompt']={p['prompt']!r} must be a string"
                     )
                 check_text(p["prompt"], f"prompts[{i}]['prompt']")
                 out.append({"prompt": p["prompt"]})
-            else:
-                raise InvalidPromptError(
-                    f"prompts[{i}] has keys {sorted(p)}; a prompt dict needs 'prompt' (text) "
-                    "or 'prompt_token_ids'"
-                )
         else:
             raise InvalidPromptError(
                 f"prompts[{i}] is a {type(p).__name__}; pass a string, "

@@ -396,4 +396,3 @@ class LLMEngine(EngineBase):
                 )
             )
         self.metrics.record_finished(finished)
-

@@ -422,14 +422,19 @@ class PoolingMixin:
             explicit = {p.truncate_prompt_tokens for p in params} - {None}
             truncate = max(explicit) if explicit else None
         max_len = self._max_input_len(truncate)
+        runner = self.llm_engine.pooling_runner
+        # sentence-transformers puts its default prompt before every text.
+        prompt = runner.default_prompt or ""
         texts = [
-            (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
+            (i, prompt + p["prompt"])
+            for i, p in enumerate(prompt_dicts)
+            if "prompt_token_ids" not in p
         ]
         ids: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
         packed: PackedInputs | None = None
         if texts:
             tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
-            lower = self.llm_engine.pooling_runner.do_lower_case
+            lower = runner.do_lower_case
             flat = None
             if pool is not None:
                 flat = self._encode_in_pool(pool, [t for _, t in texts], max_len, lower)
@@ -461,6 +466,12 @@ class PoolingMixin:
             i = int(bad[0])
             bad_ids = packed.token_ids[packed.offsets[i] : packed.offsets[i + 1]].tolist()
             self._check_pooling_input(i + index_offset, bad_ids, check_ids=False)
+        if prompt and texts and not runner.include_prompt:
+            # Its tokens leave the mean: the prompt alone, without its closing special
+            # token, as sentence-transformers counts them.
+            text = prompt.lower() if runner.do_lower_case else prompt
+            packed.pool_start = np.zeros(n, np.int64)
+            packed.pool_start[[i for i, _ in texts]] = len(tokenizer(text)["input_ids"]) - 1
         return packed, params
 
     def _encode_in_pool(

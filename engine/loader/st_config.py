@@ -89,6 +89,9 @@ class SentenceTransformersConfig:
     """Text is lower-cased before tokenization."""
     include_prompt: bool
     """Prompt tokens take part in pooling (False for INSTRUCTOR-style models)."""
+    default_prompt: str | None = None
+    """Text put before every input, as sentence-transformers' `encode` does: the prompt
+    that `config_sentence_transformers.json` names as `default_prompt_name`."""
     dense_modules: tuple[DenseModuleConfig, ...] = ()
     """The `Dense` modules in pipeline order: after pooling, or on every token (late
     interaction), before the `Normalize` module when there is one."""
@@ -163,8 +166,26 @@ def read_sentence_transformers_config(folder: Path) -> SentenceTransformersConfi
         max_seq_length=int(max_seq_length) if max_seq_length is not None else None,
         do_lower_case=bool(transformer.get("do_lower_case", False)),
         include_prompt=include_prompt,
+        default_prompt=_default_prompt(folder),
         dense_modules=tuple(dense),
     )
+
+
+def _default_prompt(folder: Path) -> str | None:
+    """The prompt `config_sentence_transformers.json` applies to every input, if any."""
+    path = folder / "config_sentence_transformers.json"
+    if not path.is_file():
+        return None
+    config = _read_json(path)
+    name = config.get("default_prompt_name") if isinstance(config, dict) else None
+    if name is None:
+        return None
+    prompts = config.get("prompts") or {}
+    if name not in prompts or not isinstance(prompts[name], str):
+        raise UnsupportedModelError(
+            f"{path}: default_prompt_name={name!r} is not one of its prompts {sorted(prompts)}"
+        )
+    return prompts[name] or None
 
 
 def _dense_config(path: Path, is_pylate: bool, has_pooling: bool) -> DenseModuleConfig:

@@ -61,6 +61,9 @@ class PackedInputs:
     lists: list[list[int]] | None = None
     """The same ids as one list per input, where they were made that way (the in-process
     tokenizer, token-id prompts): outputs reuse them instead of slicing `token_ids`."""
+    pool_start: np.ndarray | None = None
+    """[num_inputs] int64: tokens at the start of each input that mean pooling leaves out
+    (a sentence-transformers prompt with `include_prompt: false`); None: none."""
 
     @classmethod
     def from_lens(cls, token_ids: np.ndarray, lens: np.ndarray) -> PackedInputs:
@@ -119,7 +122,15 @@ class PackedInputs:
         if all(p.lists is not None for p in parts):
             lists = list(itertools.chain.from_iterable(p.lists for p in parts))  # type: ignore[arg-type]
         ids = np.concatenate([p.token_ids for p in parts])
-        return cls(ids, offsets, types, lists)
+        starts = None
+        if any(p.pool_start is not None for p in parts):
+            starts = np.concatenate(
+                [
+                    p.pool_start if p.pool_start is not None else np.zeros(len(p), np.int64)
+                    for p in parts
+                ]
+            )
+        return cls(ids, offsets, types, lists, starts)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -182,6 +193,10 @@ class PoolingRunner:
         self.default_normalize = st.normalize if st else True
         self.max_seq_length = st.max_seq_length if st else None
         self.do_lower_case = st.do_lower_case if st else False
+        self.default_prompt = st.default_prompt if st else None
+        """Put before every text input (sentence-transformers' default prompt)."""
+        self.include_prompt = st.include_prompt if st else True
+        """The prompt's tokens take part in mean pooling."""
         hf = mc.hf_config
         dims = getattr(hf, "matryoshka_dimensions", None)
         self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
@@ -269,7 +284,10 @@ class PoolingRunner:
         packed = PackedInputs.of(inputs)
         for batch, lens in self._batches(packed):
             hidden, plan = self._hidden(packed, batch, lens)
-            yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device)
+            skip = None
+            if packed.pool_start is not None:
+                skip = torch.from_numpy(packed.pool_start[np.asarray(batch)]).to(self.device)
+            yield batch, pool(hidden, plan.cu_seqlens, pooling_type, plan.cu_seqlens_device, skip)
             self._report(len(batch))
 
     def _to_host(self, tensors: list[torch.Tensor]) -> _HostCopy:

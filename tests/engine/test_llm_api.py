@@ -360,12 +360,18 @@ def test_vllm_call_options_run_unchanged_at_their_defaults(llm):
 def test_enqueue_shows_the_requests_being_added(llm):
     made = []
 
-    def factory(**kwargs):
-        bar = tqdm(disable=True, **kwargs)
-        made.append(bar)
-        return bar
+    class Bar:
+        def __init__(self, total, desc, unit):
+            self.total, self.desc, self.n, self.closed = total, desc, 0, False
+            made.append(self)
 
-    ids = llm.enqueue(PROMPTS, GREEDY, use_tqdm=factory)
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    ids = llm.enqueue(PROMPTS, GREEDY, use_tqdm=Bar)
     (bar,) = made
-    assert (bar.total, bar.n, bar.desc) == (len(PROMPTS), len(PROMPTS), "Adding requests")
+    assert (bar.total, bar.n, bar.desc, bar.closed) == (4, 4, "Adding requests", True)
     assert [o.request_id for o in llm.wait_for_completion(use_tqdm=False)] == ids

@@ -351,3 +351,33 @@ def test_pooling_calls_show_progress(minilm_two_per_batch, call):
 def test_token_classify_is_refused_by_name(minilm):
     with pytest.raises(InvalidParamError, match="pooling_task='token_classify'.*not supported"):
         minilm.encode(["hi"], pooling_task="token_classify")
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_default_prompt_and_include_prompt_as_sentence_transformers(
+    minilm_dir, tmp_path, include_prompt
+):
+    """A folder whose config names a default prompt: it goes before every text, and with
+    `include_prompt: false` its tokens leave the mean, as sentence-transformers' encode does
+    (include_prompt was read and not applied)."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "prompted"
+    shutil.copytree(minilm_dir, folder)
+    st_config = {"prompts": {"query": "query: ", "doc": ""}, "default_prompt_name": "query"}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    pooling["include_prompt"] = include_prompt
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    st = SentenceTransformer(str(folder), device="cpu")
+    expected = st.encode(SENTENCES[:5], convert_to_tensor=True).float()
+    llm = LLM(str(folder))
+    outs = llm.embed(SENTENCES[:5], use_tqdm=False)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=-1).min() >= 0.9999
+    prompt_ids = st.tokenizer("query: ")["input_ids"][:-1]
+    assert all(o.prompt_token_ids[: len(prompt_ids)] == prompt_ids for o in outs)
+    without = LLM(str(minilm_dir)).embed(SENTENCES[:5], use_tqdm=False)
+    plain = torch.tensor([o.outputs.embedding for o in without])
+    assert torch.nn.functional.cosine_similarity(got, plain, dim=-1).max() < 0.9999
+    llm.shutdown()

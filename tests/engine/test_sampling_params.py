@@ -359,11 +359,21 @@ def test_sampler_mask_matches_reference_on_synthetic_logits():
 def test_processing_is_skipped_when_no_row_uses_it():
     params = [SamplingParams(), SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5)]
     meta = SamplingMetadata.build(
-        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3, 4]], eos_token_ids=[(2,), (2,)]
+        params,
+        {},
+        50,
+        torch.device("cpu"),
+        output_token_ids=[[1, 2], [3, 4]],
+        eos_token_ids=[(2,), (2,)],
     )
     assert meta.processing is None  # min_tokens already reached
     meta = SamplingMetadata.build(
-        params, {}, 50, torch.device("cpu"), output_token_ids=[[1, 2], [3]], eos_token_ids=[(2,), (2,)]
+        params,
+        {},
+        50,
+        torch.device("cpu"),
+        output_token_ids=[[1, 2], [3]],
+        eos_token_ids=[(2,), (2,)],
     )
     assert meta.processing is not None and meta.processing.penalty_rows is None
 

@@ -42,6 +42,7 @@ def pool(
     cu_seqlens: Sequence[int],
     pooling_type: PoolingType | str,
     cu_seqlens_device: torch.Tensor | None = None,  # [num_seqs + 1] on hidden's device
+    skip: torch.Tensor | None = None,  # [num_seqs] int64 on hidden's device
 ) -> torch.Tensor | list[torch.Tensor]:
     """Pool each packed sequence `cu_seqlens[i]:cu_seqlens[i + 1]` of `hidden`.
 
@@ -51,6 +52,9 @@ def pool(
         pooling_type: A `PoolingType` or its name.
         cu_seqlens_device: `cu_seqlens` already on the device; when given, the indices are
             derived there and pooling issues no host-to-device copy.
+        skip: MEAN only: tokens at the start of each sequence left out of its average (a
+            prompt); a sequence left with none averages to zeros, as sentence-transformers'
+            masked mean does.
 
     Returns:
         `[num_seqs, hidden_size]` in `hidden`'s dtype (MEAN sums in float32), or for ALL a
@@ -78,5 +82,11 @@ def pool(
         torch.arange(len(lens), device=device), lens_t, output_size=hidden.shape[0]
     )
     sums = hidden.new_zeros(len(lens), hidden.shape[1], dtype=torch.float32)
-    sums.index_add_(0, seq_ids, hidden.float())  # [num_seqs, hidden_size]
-    return (sums / lens_t[:, None]).to(hidden.dtype)
+    if skip is None:
+        sums.index_add_(0, seq_ids, hidden.float())  # [num_seqs, hidden_size]
+        return (sums / lens_t[:, None]).to(hidden.dtype)
+    position = torch.arange(hidden.shape[0], device=device) - cu_t[:-1][seq_ids]  # [num_tokens]
+    kept = position >= skip[seq_ids]
+    sums.index_add_(0, seq_ids[kept], hidden[kept].float())
+    counts = (lens_t - skip).clamp(min=1)
+    return (sums / counts[:, None]).to(hidden.dtype)
