@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -37,16 +37,14 @@ import pyarrow as pa
 from batchlm.engine.gc_freeze import freeze_gc_heap
 
 from . import fault_injection
+from .row_stream import GenerationStream
 from .rows import (
     GENERATION_TASKS,
     ModelInfo,
-    PendingRows,
     RowContractError,
     RowSpec,
     check_columns,
-    finish_rows,
     process_table,
-    submit_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,9 +75,6 @@ class _Job:
     table: pa.Table
     future: Future
     num_attempts: int = 0
-    pending: PendingRows | None = None
-    remaining: set[str] = field(default_factory=set)
-    outputs: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -111,10 +106,10 @@ class EngineLoop:
         self.llm = self._build()
         self.info = info or ModelInfo.from_llm(self.llm)
         self._is_generation = spec.task in GENERATION_TASKS
+        self._stream = GenerationStream(self.llm, spec, self.info) if self._is_generation else None
+        """Generation: the batches with requests in the engine (keyed by their jobs)."""
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._retry: list[_Job] = []
-        self._active: list[_Job] = []  # generation batches with requests in the engine
-        self._owner: dict[str, _Job] = {}  # request id -> its batch
         self._dead: BaseException | None = None
         self._closed = False
         self._unfreeze_gc: Callable[[], None] | None = None  # set while requests run
@@ -164,7 +159,7 @@ class EngineLoop:
 
     def _serve_jobs(self) -> None:
         while True:
-            jobs = self._take(block=not self._active)
+            jobs = self._take(block=not self._num_active)
             if jobs is None:
                 return
             if self._dead is not None:
@@ -174,11 +169,11 @@ class EngineLoop:
             if self._is_generation:
                 for job in jobs:
                     self._guarded(self._admit, job)
-                if self._active:
+                if self._num_active:
                     if self._unfreeze_gc is None:  # busy: see batchlm.engine.gc_freeze
                         self._unfreeze_gc = freeze_gc_heap()
                     self._guarded(self._step)
-                if not self._active:
+                if not self._num_active:
                     self._thaw_gc()
             elif jobs:
                 self._guarded(self._run_pooling, jobs)
@@ -199,7 +194,7 @@ class EngineLoop:
             if job is None:
                 # Closing: finish what is queued and in the engine, then stop.
                 self._inbox.put(None)
-                if not jobs and not self._active and not self._retry:
+                if not jobs and not self._num_active and not self._retry:
                     return None
                 return jobs
             jobs.append(job)
@@ -213,38 +208,30 @@ class EngineLoop:
             fault_injection.before_engine_call(self)
             fn(*args)
         except Exception as e:
-            affected = list(self._active)
+            affected = self._stream.keys() if self._stream is not None else []
             if args and isinstance(args[0], _Job) and args[0] not in affected:
                 affected.append(args[0])
             elif args and isinstance(args[0], list):
                 affected.extend(args[0])
             self._on_engine_failure(e, [j for j in affected if not j.future.done()])
 
+    @property
+    def _num_active(self) -> int:
+        """Generation batches with requests in the engine."""
+        return self._stream.num_batches if self._stream is not None else 0
+
     def _admit(self, job: _Job) -> None:
         if job.future.done():  # cancelled by its caller while queued
             return
-        pending = submit_rows(self.llm, self.spec, job.table)
-        _forget_enqueued(self.llm)
-        ids = [rid for rid in pending.request_ids if rid is not None]
-        if not ids:
-            self._finish(job, finish_rows, self.spec, pending, {}, self.info)
+        finished = self._stream.admit(job, job.table)
+        if finished is not None:
+            self._finish(job, finished.result)
             return
-        job.pending, job.remaining, job.outputs = pending, set(ids), {}
-        for rid in ids:
-            self._owner[rid] = job
-        self._active.append(job)
-        self.stats.max_batches_in_engine = max(self.stats.max_batches_in_engine, len(self._active))
+        self.stats.max_batches_in_engine = max(self.stats.max_batches_in_engine, self._num_active)
 
     def _step(self) -> None:
-        for out in self.llm.llm_engine.step():
-            job = self._owner.pop(out.request_id, None)
-            if job is None:
-                continue
-            job.outputs[out.request_id] = out
-            job.remaining.discard(out.request_id)
-            if not job.remaining:
-                self._active.remove(job)
-                self._finish(job, finish_rows, self.spec, job.pending, job.outputs, self.info)
+        for finished in self._stream.step():
+            self._finish(finished.key, finished.result)
 
     def _run_pooling(self, jobs: list[_Job]) -> None:
         # Batches of one schema run as one call; a batch of another schema runs alone.
@@ -286,7 +273,6 @@ class EngineLoop:
         )
         for job in jobs:
             job.num_attempts += 1
-            job.pending, job.remaining, job.outputs = None, set(), {}
             if job.num_attempts > self.max_batch_retries:
                 _fail(
                     job,
@@ -299,12 +285,14 @@ class EngineLoop:
                 )
             else:
                 self._retry.append(job)
-        self._active.clear()
-        self._owner.clear()
+        if self._stream is not None:
+            self._stream.clear()
         self._thaw_gc()  # the broken engine's objects must be collectable
         self._release()
         try:
             self.llm = self._build()
+            if self._stream is not None:
+                self._stream.llm = self.llm
         except Exception as e:
             self._dead = e
             for job in self._retry:
@@ -346,14 +334,6 @@ def _fail(job: _Job, error: BaseException, cause: BaseException | None = None) -
         error.__cause__ = cause
     with contextlib.suppress(InvalidStateError):
         job.future.set_exception(error)
-
-
-def _forget_enqueued(llm: Any) -> None:
-    # `LLM.enqueue` remembers ids for a later `wait_for_completion()`; this loop collects
-    # outputs from the engine's steps itself, so that list would only grow.
-    enqueued = getattr(llm, "_enqueued", None)
-    if isinstance(enqueued, list):
-        enqueued.clear()
 
 
 __all__ = ["EngineLoop", "EngineLoopStats", "EngineFailedError"]

@@ -1,19 +1,20 @@
 """Spark front end: pandas UDF factories and a whole-DataFrame `mapInArrow` helper.
 
 Each factory returns an iterator pandas UDF (`Iterator[pd.Series] -> Iterator[pd.DataFrame]`)
-whose result is a struct of the row contract's output fields, `error` included. Batches go
-through `rows.process_table`, so per-row errors, the declared schema and the engine calls are
-exactly those of the Ray front end.
+whose result is a struct of the row contract's output fields, `error` included. Batches
+stream through the engine (`operators/row_stream.py`: several in flight, results in input
+order), so per-row errors, the declared schema and the engine calls are exactly those of the
+Ray front end and the local runner.
 
 - One engine per Python worker, kept in a module-level cache keyed by
   `OperatorConfig.engine_fingerprint()` and the device. Spark reuses Python workers across
   tasks (`spark.python.worker.reuse`, on by default), so the model loads once per worker,
   not per task or batch.
-- Device: the first GPU Spark assigned to the task (`TaskContext.resources()["gpu"]`), else
-  the CPU (with torch limited to the task's `spark.task.cpus` threads). An explicit
-  `engine_kwargs["device"]` wins.
+- Device: the GPUs Spark assigned to the task (`TaskContext.resources()["gpu"]`, one per
+  tensor-parallel rank), else the CPU (with torch limited to the task's `spark.task.cpus`
+  threads). An explicit `engine_kwargs["device"]` wins.
 - A bad row gets its message in `error`. Anything else (the engine failing) drops the cached
-  engine and fails the task with a RuntimeError naming the model and batch, so Spark's task
+  engine and fails the task with a RuntimeError naming the model and partition, so Spark's task
   retry (`spark.task.maxFailures`) runs the partition again on a fresh engine.
 - Embeddings and class probabilities are `array<float>` in Spark. Their fixed length is in
   the column metadata of `map_in_arrow`'s schema (`FIXED_SIZE_KEY`); a UDF's return struct
@@ -38,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,8 @@ import pyarrow as pa
 
 from . import fault_injection
 from .config import OperatorConfig
-from .rows import ModelInfo, RowContractError, check_columns, output_fields, process_table
+from .row_stream import stream_tables
+from .rows import ModelInfo, RowContractError, check_columns, output_fields
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -196,7 +199,9 @@ def _limit_cpu_threads() -> None:
 def process_batches(
     config: OperatorConfig, info: ModelInfo, tables: Iterator[pa.Table]
 ) -> Iterator[pa.Table]:
-    """Runs each incoming table through the engine in slices of `config.batch_size` rows.
+    """Streams the incoming tables through the engine in slices of `config.batch_size` rows
+    (`operators/row_stream.py`: the engine is not drained between slices), each result in
+    input order.
 
     Row errors stay in their rows. Any other failure drops the engine and raises a
     RuntimeError that fails the task, for Spark to retry.
@@ -204,29 +209,37 @@ def process_batches(
     ctx = _task_context()
     partition_id = ctx.partitionId() if ctx is not None else -1
     attempt = ctx.attemptNumber() if ctx is not None else 0
-    llm = None
-    batch_index = 0
-    for table in tables:
-        if table.num_rows == 0:
-            continue
-        for start in range(0, table.num_rows, config.batch_size):
-            piece = table.slice(start, config.batch_size)
-            try:
-                if llm is None:
-                    llm = get_engine(config)
+
+    def pieces() -> Iterator[tuple[int, pa.Table]]:
+        index = 0
+        for table in tables:
+            for start in range(0, table.num_rows, config.batch_size):
+                piece = table.slice(start, config.batch_size)
                 fault_injection.on_spark_batch(partition_id, attempt, piece.num_rows)
-                out = process_table(llm, config.spec, piece, info)
-            except RowContractError:
-                raise
-            except Exception as e:
-                drop_engine(config)
-                raise RuntimeError(
-                    f"batchlm: model {config.model!r} failed on batch {batch_index} "
-                    f"({piece.num_rows} rows) of partition {partition_id}, attempt {attempt}: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
-            batch_index += 1
+                yield index, piece
+                index += 1
+
+    num_done = 0
+    try:
+        batches = pieces()
+        first = next(batches, None)
+        if first is None:  # an empty partition builds no engine
+            return
+        llm = get_engine(config)
+        rows_in_flight = 2 * llm.llm_engine.config.scheduler.max_num_seqs
+        batches = itertools.chain([first], batches)
+        for _, out in stream_tables(llm, config.spec, batches, info, rows_in_flight=rows_in_flight):
+            num_done += 1
             yield out
+    except RowContractError:
+        raise
+    except Exception as e:
+        drop_engine(config)
+        raise RuntimeError(
+            f"batchlm: model {config.model!r} failed in partition {partition_id}, attempt "
+            f"{attempt}, after {num_done} batch(es) of {config.batch_size} rows: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 # ---- pandas UDFs --------------------------------------------------------------------------
