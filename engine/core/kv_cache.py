@@ -19,6 +19,7 @@ import numpy as np
 from .request import Request
 
 _ROOT_HASH = 0x6261746368
+_LONG_CONTEXT_SALT = 0x6C6F6E67
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: int | None = None) -> int:
@@ -208,10 +209,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
+        salt = request.cache_salt
+        if request.long_context:  # the same tokens hold other KV in a long sequence
+            salt = hash((salt, _LONG_CONTEXT_SALT))
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start : start + bs], request.cache_salt))
+            hashes.append(hash_block(parent, tokens[start : start + bs], salt))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens.

@@ -13,6 +13,10 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
 }
 
 
@@ -43,10 +47,15 @@ _POOLING: dict[str, tuple[str, str, str]] = {
         "classify",
     ),
 }
-# Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class.
+# Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class
+# (Gemma 3's text classifier is `Gemma3TextForSequenceClassification`; its
+# `Gemma3ForSequenceClassification` is the multimodal one).
 _DECODER_CLASSIFIERS = {
-    arch.replace("ForCausalLM", "ForSequenceClassification"): arch for arch in _GENERATIVE
+    arch.replace("ForCausalLM", "ForSequenceClassification"): arch
+    for arch in _GENERATIVE
+    if arch.endswith("ForCausalLM") and arch != "Gemma3ForCausalLM"
 }
+_DECODER_CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 
 
 def is_generative(architecture: str) -> bool:
