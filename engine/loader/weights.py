@@ -1,10 +1,11 @@
 """Builds a model and fills it from a folder of safetensors files.
 
-Checkpoint quirks live here, not in the models: projections that the model merges
-(`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the merged weight,
-projections the checkpoint already merged (Phi-3's `qkv_proj`, `gate_up_proj`) are read
-part by part into the same slices, tied LM heads are skipped, and rotary buffers that some
-checkpoints carry are ignored.
+Checkpoint quirks live here, not in the models: tensors are renamed or skipped as the model
+asks (`checkpoint_prefix_renames`, `ignored_checkpoint_prefixes`), projections that the
+model merges (`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the
+merged weight, projections the checkpoint already merged (Phi-3's `qkv_proj`,
+`gate_up_proj`) are read part by part into the same slices, tied LM heads are skipped, and
+rotary buffers that some checkpoints carry are ignored.
 
 Tensor parallelism: a layer built for one rank of several (see `models/layers/linear.py`)
 receives only its part of each checkpoint tensor, read straight from the file (safetensors
@@ -155,9 +156,14 @@ def load_weights(
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
+    renames = tuple(getattr(model, "checkpoint_prefix_renames", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
         name = checkpoint_param_name(checkpoint_name)
+        for old, new in renames:
+            if name is not None and name.startswith(old):
+                name = new + name[len(old) :]
+                break
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)

@@ -44,6 +44,11 @@ class DecoderForPooling(nn.Module):
         super().__init__()
         self.config = config
         self.packed_modules = causal_lm_cls.packed_modules
+        self.checkpoint_prefix_renames = getattr(causal_lm_cls, "checkpoint_prefix_renames", ())
+        self.ignored_checkpoint_prefixes = (
+            *self.ignored_checkpoint_prefixes,
+            *getattr(causal_lm_cls, "ignored_checkpoint_prefixes", ()),
+        )
         causal = causal_lm_cls(config, backend, max_position)
         self.model = causal.model
         self.long_context_len = getattr(causal, "long_context_len", None)

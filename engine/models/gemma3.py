@@ -35,6 +35,8 @@ def gemma3_rope_specs(config: Any, head_dim: int) -> dict[str, RopeSpec]:
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 text decoder (`Gemma3ForCausalLM` checkpoints)."""
+
     qk_norm = True
     default_sliding_window_pattern = 6
     """Five sliding layers, then a global one, when the config predates `layer_types`."""
@@ -49,3 +51,21 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @staticmethod
     def attention_softcap(config: Any) -> float | None:
         return None
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint, on text prompts: the config is
+    its `text_config` (see `registry.text_config_of`), the vision tower and projector are not
+    loaded, and the language model's tensors are renamed to the text model's."""
+
+    checkpoint_prefix_renames = (
+        ("language_model.model.", "model."),  # as the released checkpoints name them
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),  # as transformers 5 names them in memory
+    )
+    ignored_checkpoint_prefixes = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )

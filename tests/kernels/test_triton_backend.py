@@ -154,13 +154,17 @@ def _check_same_tokens_as_torch(path, rounds, max_tokens, **options):
     )
 
 
-def test_greedy_tokens_match_torch_backend(tiny_model_factory):
-    """Under the interpreter on CPU: a tiny Llama, few tokens."""
-    _check_same_tokens_as_torch(tiny_model_factory("llama"), _rounds(3, 40), max_tokens=4)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: soft-caps, sliding layers
+def test_greedy_tokens_match_torch_backend(arch, tiny_model_factory):
+    """Under the interpreter on CPU: tiny models, few tokens."""
+    _check_same_tokens_as_torch(tiny_model_factory(arch), _rounds(3, 40), max_tokens=4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "mistral-window", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "mistral-window", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"],
+)
 def test_greedy_tokens_match_torch_backend_gpu(arch, tiny_model_factory):
     _check_same_tokens_as_torch(tiny_model_factory(arch), _rounds(8, 70), max_tokens=32)
 
