@@ -6,6 +6,12 @@ on, a block whose hash is already known is shared instead of recomputed. Blocks 
 count drops to zero keep their hash and sit in an LRU free queue: they are reused by a later
 request with the same prefix, or evicted (hash forgotten) when a fresh block is needed,
 least recently freed first.
+
+A sequence keeps all its blocks whatever its layers' sliding windows: blocks outside every
+window are not freed early (with global layers, as in Gemma 2 / 3, they are needed anyway),
+which keeps prefix caching and preemption unchanged. A request of a LongRoPE model that
+outgrew the model's short context (`Request.long_context`) hashes its blocks apart from a
+short sequence's with the same tokens: they hold other keys.
 """
 
 from __future__ import annotations
