@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..errors import UnsupportedModelError
 from .base import CausalLM
 from .layers.activation import GeluTanhAndMul
 from .layers.linear import lm_head, vocab_embedding
@@ -45,7 +46,7 @@ def layer_types_of(config: Any, default_pattern: int) -> list[str]:
     if types:
         unknown = sorted(set(types) - {SLIDING, FULL})
         if unknown:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"layer_types {unknown} are not supported; Gemma layers are {SLIDING!r} or {FULL!r}"
             )
         return list(types)
@@ -60,7 +61,7 @@ class GemmaMLP(LlamaMLP):
         super().__init__(config, False, tp)
         activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"hidden_activation={activation!r} is not supported for Gemma; batchlm runs "
                 "'gelu_pytorch_tanh' (every released Gemma 2 / 3 checkpoint's)"
             )
@@ -112,6 +113,7 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = gemma_norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = config.hidden_size**0.5
+        self._embed_scales: dict[torch.dtype, float] = {}
 
     def forward(
         self,
@@ -121,13 +123,20 @@ class GemmaModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        # The scale is a float32 scalar rounded to the model's dtype (55.4256 → 55.5 in bf16).
-        hidden_states = hidden_states * torch.tensor(self.embed_scale).to(hidden_states.dtype)
+        hidden_states = hidden_states * self._embed_scale(hidden_states.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden_size) as a float32 scalar rounded to `dtype` (55.4256 → 55.5 in
+        bfloat16), as Hugging Face scales; a Python number, so CUDA graphs capture it."""
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            scale = self._embed_scales[dtype] = float(torch.tensor(self.embed_scale).to(dtype))
+        return scale
 
 
 class Gemma2ForCausalLM(CausalLM):
@@ -156,6 +165,11 @@ class Gemma2ForCausalLM(CausalLM):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(
+                "use_bidirectional_attention=True (EmbeddingGemma) is not supported: batchlm "
+                "runs Gemma as a causal decoder; load a checkpoint with causal attention"
+            )
         self.config = config
         self.tp_size = tp.world_size if tp is not None else 1
         if self.tp_size > 1:

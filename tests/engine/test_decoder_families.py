@@ -151,3 +151,16 @@ def test_an_unsupported_family_names_the_supported_ones(tmp_path):
     assert "'GemmaForCausalLM' is not supported" in message
     for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM"):
         assert arch in message
+
+
+def test_bidirectional_gemma3_is_refused(tiny_model_factory, tmp_path):
+    """EmbeddingGemma's bidirectional attention is not what a causal decoder computes."""
+    import json
+
+    folder = tmp_path / "bidirectional"
+    shutil.copytree(tiny_model_factory("gemma3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["use_bidirectional_attention"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention=True"):
+        LLM(str(folder), max_model_len=64)
