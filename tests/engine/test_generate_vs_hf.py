@@ -92,7 +92,8 @@ def test_greedy_matches_hf_under_every_schedule(arch, tiny_model_factory):
     ("arch", "enable_prefix_caching"),
     [
         *itertools.product(["llama", "qwen3", "mistral-window"], [True, False]),
-        *((arch, True) for arch in ["gemma2", "gemma3", "phi3", "olmo2"]),
+        # Windows and soft-caps over cached prefixes; LongRoPE's long blocks (60+ tokens).
+        *((arch, True) for arch in ["gemma2", "phi3"]),
     ],
 )
 def test_shared_prefixes_with_and_without_prefix_caching(
