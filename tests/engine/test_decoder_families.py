@@ -48,6 +48,16 @@ def test_longrope_short_and_long_sequences_share_no_blocks(tiny_model_factory):
     assert llm.llm_engine.stats().prefix_cache_hits > hits  # long blocks are
 
 
+def test_longrope_switch_under_async_scheduling(tiny_model_factory):
+    """Steps scheduled ahead: a request whose token in flight takes it past 32 tokens waits
+    for it, then is computed again with the long factors."""
+    path = tiny_model_factory("phi3")
+    llm = LLM(str(path), max_model_len=128, seed=0, async_scheduling=True)
+    prompts = mixed_prompts(llm.get_tokenizer(), n=8)  # 2 to 44 tokens, 16 more each
+    assert run(llm, prompts) == hf_greedy(path, prompts, 16)
+    assert llm.llm_engine.runner.num_tokens_from_device > 0
+
+
 @pytest.fixture(scope="module")
 def gemma3_multimodal(tmp_path_factory, tokenizer_files):
     """A tiny Gemma3ForConditionalGeneration: the tiny Gemma 3 text model with a one-layer
