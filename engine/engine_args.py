@@ -513,8 +513,10 @@ def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
             + ("" if trust_remote_code else " (trust_remote_code=True does not change that)")
             + f". {what_is_supported()}"
         )
+    from .models.registry import text_config_of
+
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return text_config_of(AutoConfig.from_pretrained(str(path), local_files_only=True))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         # transformers' config classes raise all of these on values they do not take.
         raise UnsupportedModelError(

@@ -86,7 +86,12 @@ class LLMEngine(EngineBase):
         block_size = config.cache.block_size
         max_len = mc.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache,
+            max_len,
+            long_context_len=getattr(self.runner.model, "long_context_len", None),
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec: SpecDecodeManager | None = None
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""

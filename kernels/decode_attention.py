@@ -5,7 +5,8 @@ values from the paged cache once for all the query heads that share the kv head 
 group's heads are the rows of one `tl.dot`). Long contexts are cut into `num_splits`
 partitions processed in parallel (split-K / flash-decoding); each writes an unnormalised
 partial result with its log-sum-exp, and a second kernel merges the partitions. With one
-split the first kernel writes the output directly.
+split the first kernel writes the output directly. Scores may be soft-capped
+(`softcap * tanh(score / softcap)`, Gemma 2).
 
 Partitions are sized from the host's `max_seq_len` by default; with `split_each_seq` each
 sequence cuts its own context into `num_splits` parts instead (read from `seq_lens` on the
@@ -33,11 +34,12 @@ from .launch import (
     check_paged_attention,
     check_power_of_2,
     check_same_device,
+    check_softcap,
     dot_dtype,
     next_power_of_2,
     num_sms,
 )
-from .paged_tile import load_paged_tile, online_softmax_tile
+from .paged_tile import load_paged_tile, online_softmax_tile, scale_scores
 from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
@@ -70,6 +72,7 @@ def _decode_kernel(
     # else [num_seqs, num_heads, NUM_SPLITS, head_dim] float32 (normalised per split)
     lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2-sum-exp2 of each split
     scale_log2,  # softmax scale * log2(e)
+    softcap_log2,  # soft-cap * log2(e) (unused without HAS_SOFTCAP)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
     partition_size,  # keys per split, a multiple of BLOCK_N (unused with PER_SEQ_SPLITS)
     stride_qt,
@@ -96,6 +99,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     PER_SEQ_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """IDS_PER_TILE == 0: each key looks its cache block up in the block table. Else tiles
@@ -160,7 +164,8 @@ def _decode_kernel(
         k = load_paged_tile(
             k_head_ptr, blocks, in_block, offs_d, stride_kb, stride_ks, kv_mask
         )  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        s = scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         v = load_paged_tile(
             v_head_ptr, blocks, in_block, offs_d, stride_vb, stride_vs, kv_mask
@@ -355,6 +360,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     align_tiles_to_blocks: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -379,6 +385,8 @@ def decode_attention(
         num_warps: Warps per program, a power of two in [1, 16]; None: 4.
         num_stages: Pipeline stages of the key loop, in [1, 8]; None: 3.
         align_tiles_to_blocks: See `choose_launch`.
+        softcap: Soft-cap of the scaled scores (`softcap * tanh(score / softcap)`), > 0;
+            None: none.
 
     Every launch configuration gives the same result up to float rounding.
 
@@ -400,6 +408,7 @@ def decode_attention(
         raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    check_softcap(softcap)
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
@@ -446,6 +455,7 @@ def decode_attention(
         partial,
         lse,
         scale * math.log2(math.e),
+        (softcap or 0.0) * math.log2(math.e),
         sliding_window or NO_WINDOW,
         launch.partition_size,
         query.stride(0),
@@ -469,6 +479,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         PER_SEQ_SPLITS=split_each_seq,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_kernel),
+        HAS_SOFTCAP=softcap is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **launch_options(_decode_kernel, device),
@@ -499,6 +510,7 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs]
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """`decode_attention` in plain PyTorch (float32 math), one sequence at a time."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -511,6 +523,8 @@ def decode_attention_ref(
         k = key_cache[slots].float().repeat_interleave(group, 1)  # [seq_len, num_heads, d]
         v = value_cache[slots].float().repeat_interleave(group, 1)
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale  # [num_heads, seq_len]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         if sliding_window is not None:
             scores[:, positions <= seq_len - 1 - sliding_window] = float("-inf")
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)

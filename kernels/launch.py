@@ -191,3 +191,16 @@ def check_num_stages(num_stages: object) -> int:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= 8:
         raise ValueError(f"num_stages={num_stages!r} must be an integer in [1, 8]")
     return num_stages
+
+
+def check_softcap(softcap: object) -> None:
+    """`ValueError` unless `softcap` (an attention-score soft-cap) is None or a finite
+    number > 0."""
+    if softcap is None:
+        return
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not 0 < softcap < float("inf")
+    ):
+        raise ValueError(f"softcap={softcap!r} must be a finite number > 0, or None for no cap")

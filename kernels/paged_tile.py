@@ -1,6 +1,6 @@
 """Device functions the paged attention kernels share (inlined into them by Triton): the
-load of one tile of keys or values from the paged cache, and the online-softmax update of
-one tile of scores.
+load of one tile of keys or values from the paged cache, the scaling (and optional
+soft-capping) of one tile of scores, and the online-softmax update of one tile of scores.
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ def load_paged_tile(head_ptr, blocks, in_block, offs_d, stride_block, stride_slo
         mask=mask,
         other=0.0,
     )
+
+
+@triton.jit
+def scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+    """Raw dot products `s` → base-2 softmax scores: `s * scale * log2(e)`, or with
+    soft-capping `softcap * tanh(s * scale / softcap) * log2(e)` (Gemma 2's attention-logit
+    cap). `scale_log2` is `scale * log2(e)` and `softcap_log2` is `softcap * log2(e)`.
+    tanh(x) is `2 * sigmoid(2x) - 1`: exact in float32 to a few ulps of 1, and it saturates
+    to ±1 without overflow."""
+    if HAS_SOFTCAP:
+        return (2.0 * tl.sigmoid(s * (2.0 * scale_log2 / softcap_log2)) - 1.0) * softcap_log2
+    return s * scale_log2
 
 
 @triton.jit

@@ -9,7 +9,8 @@ decode tokens (`query_len == 1`) in one launch.
 Each program takes a tile of query tokens of one sequence and all the query heads of one kv
 head: the tile's rows are (token, head-in-group) pairs, so keys and values are read once per
 group (GQA). It streams the keys the tile can see (causal, optionally windowed) in tiles of
-`BLOCK_N` with an online softmax (FlashAttention-2 style).
+`BLOCK_N` with an online softmax (FlashAttention-2 style). Scores may be soft-capped
+(`softcap * tanh(score / softcap)`, Gemma 2) before the mask.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from .launch import (
     check_paged_attention,
     check_power_of_2,
     check_same_device,
+    check_softcap,
     check_tensor,
     dot_dtype,
     next_power_of_2,
 )
-from .paged_tile import load_paged_tile, online_softmax_tile
+from .paged_tile import load_paged_tile, online_softmax_tile, scale_scores
 from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
@@ -57,6 +59,7 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     out_ptr,  # [num_tokens, num_heads, head_dim]
     scale_log2,  # softmax scale * log2(e)
+    softcap_log2,  # soft-cap * log2(e) (unused without HAS_SOFTCAP)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
     stride_qt,
     stride_qh,
@@ -77,6 +80,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -126,7 +130,8 @@ def _prefill_kernel(
         k = load_paged_tile(
             k_head_ptr, blocks, in_block, offs_d, stride_kb, stride_ks, kv_mask
         )  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        s = scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP)
         distance = q_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
         visible = (distance >= 0) & (distance < sliding_window) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -155,6 +160,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     *,
+    softcap: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -176,6 +182,8 @@ def prefill_attention(
         max_query_len: An upper bound of the query lengths (from the host: sizes the grid).
         sliding_window: Attend only to the last `sliding_window` positions (self included).
         out: Optional `[num_tokens, num_heads, head_dim]` output buffer.
+        softcap: Soft-cap of the scaled scores (`softcap * tanh(score / softcap)`), > 0;
+            None: none.
         block_m, block_n, num_warps, num_stages: Launch overrides (None: the defaults):
             (token, head) rows per tile (a power of two >= 16 and >= the GQA group), keys
             per tile (a power of two >= 16), warps, pipeline stages.
@@ -202,6 +210,7 @@ def prefill_attention(
         raise ValueError(f"max_query_len={max_query_len} must be >= 1")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    check_softcap(softcap)
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
@@ -237,6 +246,7 @@ def prefill_attention(
         query_start_loc,
         out,
         scale * math.log2(math.e),
+        (softcap or 0.0) * math.log2(math.e),
         sliding_window or NO_WINDOW,
         query.stride(0),
         query.stride(1),
@@ -257,6 +267,7 @@ def prefill_attention(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
+        HAS_SOFTCAP=softcap is not None,
         **launch,
         **launch_options(_prefill_kernel, query.device),
     )
@@ -272,6 +283,7 @@ def prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`prefill_attention` in plain PyTorch (float32 math), one sequence at a time."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -287,6 +299,8 @@ def prefill_attention_ref(
         v = value_cache[slots].float().repeat_interleave(group, 1)
         q = query[start:end].float()  # [q_len, num_heads, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = positions[seq_len - (end - start) :]
         distance = q_pos[:, None] - positions[None, :]  # [q_len, seq_len]
         visible = distance >= 0

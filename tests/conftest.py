@@ -123,7 +123,55 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "mistral-window": ("MistralConfig", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+    # Windows of 8 tokens (prompts run 3 to ~86), scores and logits capped tightly enough
+    # that the caps change them.
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 2.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        },
+    ),
+    # LongRoPE over half of each head, short factors up to 32 tokens: prompts run from
+    # below to beyond it, and 16 generated tokens carry short ones across it.
+    "phi3": (
+        "Phi3Config",
+        {
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 32,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.7, 2.5],
+                "long_factor": [1.0, 2.0, 5.0, 11.0],
+            },
+        },
+    ),
+    "olmo2": ("Olmo2Config", {}),
 }
+
+
+# Families whose norm weights are drawn at random too: initialised to the identity (Gemma's
+# offset weights to 0), they would hide how a norm applies its weight.
+RANDOM_NORMS = {"gemma2", "gemma3", "olmo2"}
 
 
 def make_tiny_model(root: Path, name: str, tokenizer_files: list[Path]) -> Path:
@@ -134,6 +182,11 @@ def make_tiny_model(root: Path, name: str, tokenizer_files: list[Path]) -> Path:
     config = getattr(transformers, cls_name)(**{**TINY_COMMON, **overrides})
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if name in RANDOM_NORMS:
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                if pname.endswith("norm.weight"):
+                    param.add_(0.2 * torch.randn_like(param))
     out = root / name
     model.save_pretrained(out)
     for f in tokenizer_files:

@@ -56,9 +56,11 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write this step's keys / values into the cache, then attend causally over it.
-        `key` and `value` are None after `rotate_into_cache` stored them."""
+        `key` and `value` are None after `rotate_into_cache` stored them. `softcap` caps the
+        scaled scores (`softcap * tanh(score / softcap)`) before the mask and softmax."""
 
     def rotate_into_cache(
         self,

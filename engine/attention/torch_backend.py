@@ -7,7 +7,9 @@ Two paths, chosen per sequence once per step:
   from the paged cache into a padded `[num_seqs, max_seq_len, ...]` batch and attends under
   a mask that encodes causality, sequence length and the optional sliding window.
 GQA is handled without copying keys: the query heads that share a key head are folded into
-extra query rows. Simple and exact; the Triton backend is checked against it.
+extra query rows. Simple and exact; the Triton backend is checked against it. Soft-capped
+scores (Gemma 2), which SDPA cannot take, are computed as Hugging Face's eager attention
+computes them.
 
 An fp8 cache (`float8_e4m3fn`, scale 1.0) holds keys and values clamped to ±448 and rounded;
 fresh prefills attend over those same rounded values, so both paths (and the Triton
@@ -141,13 +143,19 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.backend_data  # type: ignore[assignment]
         out = torch.empty_like(query)
         if kv_cache is None:  # cache-less forward (pooling): every sequence is fresh
             for start, end in plan.fresh:
                 out[start:end] = _causal_attention(
-                    query[start:end], key[start:end], value[start:end], scale, sliding_window
+                    query[start:end],
+                    key[start:end],
+                    value[start:end],
+                    scale,
+                    sliding_window,
+                    softcap,
                 )
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -159,12 +167,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         for start, end in plan.fresh:
             out[start:end] = _causal_attention(
-                query[start:end], key[start:end], value[start:end], scale, sliding_window
+                query[start:end], key[start:end], value[start:end], scale, sliding_window, softcap
             )
+        group = num_heads // num_kv_heads
         for paged in plan.paged:
             q = query.index_select(0, paged.token_index)
             out[paged.token_index] = _paged_attention(
-                q, key_cache, value_cache, paged, scale, sliding_window, num_heads // num_kv_heads
+                q, key_cache, value_cache, paged, scale, sliding_window, group, softcap
             )
         return out
 
@@ -175,6 +184,7 @@ def _causal_attention(
     v: torch.Tensor,  # [len, num_kv_heads, head_dim]
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [len, num_heads, head_dim]
     length = q.shape[0]
     mask = None
@@ -185,13 +195,13 @@ def _causal_attention(
     group = q.shape[1] // k.shape[1]
     if group > 1:  # explicit copies keep SDPA on its fused path (enable_gqa falls back to math)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
+    out = _sdpa(
         q.transpose(0, 1)[None],  # [1, num_heads, len, head_dim]
         k.transpose(0, 1)[None].to(q.dtype),
         v.transpose(0, 1)[None].to(q.dtype),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
+        mask,
+        scale,
+        softcap,
     )  # [1, num_heads, len, head_dim]
     return out[0].transpose(0, 1)
 
@@ -204,6 +214,7 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None,
     group: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_paged_tokens, num_heads, head_dim]
     n, max_q, max_k = plan.num_seqs, plan.max_q, plan.max_k
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -221,15 +232,38 @@ def _paged_attention(
         .permute(0, 2, 3, 1, 4)
         .reshape(n, num_kv_heads, group * max_q, head_dim)
     )
-    out = F.scaled_dot_product_attention(
-        folded, k, v, attn_mask=plan.mask(sliding_window, group), scale=scale
-    )
+    out = _sdpa(folded, k, v, plan.mask(sliding_window, group), scale, softcap)
     out = (
         out.view(n, num_kv_heads, group, max_q, head_dim)
         .permute(0, 3, 1, 2, 4)
         .reshape(n * max_q, num_kv_heads * group, head_dim)
     )
     return out[plan.query_dest]
+
+
+def _sdpa(
+    q: torch.Tensor,  # [batch, heads, q_len, head_dim]
+    k: torch.Tensor,  # [batch, heads, k_len, head_dim]
+    v: torch.Tensor,  # [batch, heads, k_len, head_dim]
+    mask: torch.Tensor | None,  # [batch | 1, 1, q_len, k_len] bool, True: attend; None: causal
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [batch, heads, q_len, head_dim]
+    """`scaled_dot_product_attention`; with `softcap`, the same attention written out with
+    the scores capped, in Hugging Face's eager order (scores, cap and output in the query's
+    dtype, the softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, heads, q_len, k_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # causal, the queries being the last q_len positions
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def write_paged_kv_ref(

@@ -64,6 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             raise ValueError(
@@ -87,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.max_seq_len,
                 sliding_window,
                 split_each_seq=metadata.max_seq_len_is_bound,
+                softcap=softcap,
             )
         return prefill_attention(
             query,
@@ -98,4 +100,5 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             metadata.max_query_len,
             sliding_window,
+            softcap=softcap,
         )

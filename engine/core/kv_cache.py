@@ -6,6 +6,12 @@ on, a block whose hash is already known is shared instead of recomputed. Blocks 
 count drops to zero keep their hash and sit in an LRU free queue: they are reused by a later
 request with the same prefix, or evicted (hash forgotten) when a fresh block is needed,
 least recently freed first.
+
+A sequence keeps all its blocks whatever its layers' sliding windows: blocks outside every
+window are not freed early (with global layers, as in Gemma 2 / 3, they are needed anyway),
+which keeps prefix caching and preemption unchanged. A request of a LongRoPE model that
+outgrew the model's short context (`Request.long_context`) hashes its blocks apart from a
+short sequence's with the same tokens: they hold other keys.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 from .request import Request
 
 _ROOT_HASH = 0x6261746368
+_LONG_CONTEXT_SALT = 0x6C6F6E67
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: int | None = None) -> int:
@@ -208,10 +215,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         bs = self.block_size
+        salt = request.cache_salt
+        if request.long_context:  # the same tokens hold other KV in a long sequence
+            salt = hash((salt, _LONG_CONTEXT_SALT))
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start : start + bs], request.cache_salt))
+            hashes.append(hash_block(parent, tokens[start : start + bs], salt))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens.

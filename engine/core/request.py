@@ -90,6 +90,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Draft tokens for the next step to verify (speculative decoding); not part of
         `all_token_ids` until accepted."""
+        self.long_context = False
+        """The sequence outgrew the model's `long_context_len`: its KV is computed with the
+        long-context rotary frequencies (LongRoPE), and hashed apart from a short
+        sequence's. Once set, it stays."""
 
     @property
     def num_tokens(self) -> int:

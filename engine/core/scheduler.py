@@ -14,7 +14,12 @@ A request is only scheduled ahead when step N's token cannot change what N+1 doe
 (no penalties, bad words or min_tokens ban; not at its last token), and a step scheduled
 ahead never preempts: where a running request cannot grow, it stops there (`blocked`), and
 the engine waits for the steps in flight before scheduling the next one with preemption.
-Pure Python: no tensors.
+
+A model with a `long_context_len` (LongRoPE) computes a sequence longer than it with other
+rotary frequencies at every position. A request is marked `long_context` when it is
+admitted with more tokens than that, or, when a running request grows past it, its blocks
+are freed and it is computed again from its first token (like a preemption, not counted as
+one); draft tokens of a short request stop at the length. Pure Python: no tensors.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class ScheduledRequest:
     request's last token. The step computes their positions too and samples at each."""
     block_row: int = -1
     """The request's row in its step's `SchedulerOutput.block_table` (-1: none given)."""
+    long_context: bool = False
+    """The request is longer than the model's `long_context_len`: its positions read the
+    long-context rows of the rotary table."""
 
 
 @dataclass
@@ -102,12 +110,21 @@ class Scheduler:
         config: Token and sequence budgets.
         kv_cache: The block manager, sized by the model runner.
         max_model_len: Longest sequence (prompt + output) a request may reach.
+        long_context_len: The model's (see `CausalLM.long_context_len`); None: every
+            length is computed alike.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        long_context_len: int | None = None,
+    ):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.long_context_len = long_context_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -167,6 +184,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.long_context_len is not None and not request.long_context:
+                if request.num_scheduled_tokens > self.long_context_len:
+                    if ahead or request.num_inflight_tokens:
+                        blocked = True  # recomputed once its tokens are known
+                        break
+                    self._restart_long(request)
+                    continue
+                # Drafts past the length would be scored with the short-context frequencies.
+                del request.spec_token_ids[self.long_context_len - request.num_scheduled_tokens :]
             num_pending = request.num_scheduled_tokens + len(request.spec_token_ids)
             num_new = min(num_pending - request.num_computed_tokens, budget)
             in_flight = request.num_inflight_tokens
@@ -203,6 +229,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if self.long_context_len is not None and request.num_tokens > self.long_context_len:
+                self._enter_long_context(request)
             computed = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - computed.num_computed_tokens
             if num_new > budget:
@@ -270,6 +298,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             spec_token_ids=spec,
             block_row=self.kv_cache.block_rows.get(request.request_id, -1),
+            long_context=request.long_context,
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -293,6 +322,24 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_inflight_tokens = 0
             self.waiting.appendleft(request)
+
+    def _enter_long_context(self, request: Request) -> None:
+        """Mark a request that has no KV as long-context (its block hashes change)."""
+        if not request.long_context:
+            request.long_context = True
+            request.block_hashes = []
+
+    def _restart_long(self, request: Request) -> None:
+        """A running request grew past `long_context_len`: its KV, computed with the
+        short-context frequencies, is dropped, and it waits at the front of the queue to be
+        computed again as a long-context request."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.spec_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._enter_long_context(request)
+        self.waiting.appendleft(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -1,8 +1,11 @@
 """Builds a model and fills it from a folder of safetensors files.
 
-Checkpoint quirks live here, not in the models: projections that the model merges
-(`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the merged weight,
-tied LM heads are skipped, and rotary buffers that some checkpoints carry are ignored.
+Checkpoint quirks live here, not in the models: tensors are renamed or skipped as the model
+asks (`checkpoint_prefix_renames`, `ignored_checkpoint_prefixes`), projections that the
+model merges (`q_proj`/`k_proj`/`v_proj` → `qkv_proj`) are copied into their slice of the
+merged weight, projections the checkpoint already merged (Phi-3's `qkv_proj`,
+`gate_up_proj`) are read part by part into the same slices, tied LM heads are skipped, and
+rotary buffers that some checkpoints carry are ignored.
 
 Tensor parallelism: a layer built for one rank of several (see `models/layers/linear.py`)
 receives only its part of each checkpoint tensor, read straight from the file (safetensors
@@ -27,6 +30,7 @@ from torch import nn
 from ..config import QuantizationConfig
 from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
+from ..models.layers.norm import Float32ScaledRMSNorm
 from .quantization import (
     SCALE_LEAF,
     checkpoint_param_name,
@@ -119,12 +123,25 @@ def _destination(
         n = module.num_checkpoint_rows
         param.data[n:].zero_()  # padding rows past the vocabulary
         return param.data[:n], (0, module.vocab_start, n)
-    if isinstance(module, MergedLinear):
-        raise UnsupportedModelError(
-            f"checkpoint tensor {name!r} is already merged; tensor parallelism needs the "
-            "separate projections (q_proj / k_proj / v_proj, gate_proj / up_proj)"
-        )
+    if isinstance(module, Float32ScaledRMSNorm):  # a norm over a vector split by heads
+        n = param.shape[0]
+        return param.data, (0, module.tp_rank * n, n)
     return param.data, None
+
+
+def _merged_parts(
+    module: MergedLinear, param: torch.Tensor
+) -> list[tuple[int, torch.Tensor, tuple[int, int, int] | None]]:
+    """For a checkpoint tensor that holds a merged layer's projections already concatenated
+    (whole-model rows, in order): `(part, destination, rows to read)` for each part."""
+    parts, offset = [], 0
+    for shard, local in enumerate(module.output_sizes):
+        rows = module.checkpoint_rows(shard)
+        parts.append(
+            (shard, param.data[module.shard_slice(shard)], (0, offset + rows.start, local))
+        )
+        offset += local * module.tp_size
+    return parts
 
 
 def load_weights(
@@ -139,13 +156,14 @@ def load_weights(
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
-    # A model body saved from a wrapper carries the wrapper's prefix (`model.`): dropped.
-    stripped_prefixes = tuple(getattr(model, "stripped_checkpoint_prefixes", ()))
+    renames = tuple(getattr(model, "checkpoint_prefix_renames", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
         name = checkpoint_param_name(checkpoint_name)
-        if name is not None and stripped_prefixes and name.startswith(stripped_prefixes):
-            name = name[len(next(p for p in stripped_prefixes if name.startswith(p))) :]
+        for old, new in renames:
+            if name is not None and name.startswith(old):
+                name = new + name[len(old) :]
+                break
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)
@@ -166,24 +184,14 @@ def load_weights(
                 f"checkpoint tensor {name!r} has no place in {type(model).__name__}; "
                 "the checkpoint does not match its config.json architecture"
             )
-        dest, rows = _destination(modules[module_path], leaf, shard, param, name)
-        if leaf == SCALE_LEAF:  # small: read whole, then this rank's rows
-            tensor = read_scale(_read(tensor, None), rows, dest.shape)
+        module = modules[module_path]
+        if shard is None and isinstance(module, MergedLinear):
+            parts = _merged_parts(module, param)
         else:
-            tensor = _read(tensor, rows)
-        if _is_quantized(tensor.dtype) and tensor.dtype != dest.dtype:
-            raise UnsupportedModelError(
-                f"checkpoint tensor {name!r} is {tensor.dtype}, but config.json declares no "
-                "quantization_config that batchlm reads; add it, or load a full-precision "
-                "checkpoint (with quantization='fp8' / 'int8' to quantise it at load)"
-            )
-        if dest.shape != tensor.shape:
-            raise UnsupportedModelError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(dest.shape)}; config.json and weights disagree"
-            )
-        dest.copy_(tensor)
-        filled.add(target if shard is None else f"{target}#{shard}")
+            parts = [(shard, *_destination(module, leaf, shard, param, name))]
+        for part, dest, rows in parts:
+            _copy_tensor(name, tensor, dest, rows, leaf)
+            filled.add(target if part is None else f"{target}#{part}")
     missing = []
     for pname in params:
         module_path, _, leaf = pname.rpartition(".")
@@ -199,6 +207,33 @@ def load_weights(
             f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}; "
             "the files are incomplete or belong to another architecture"
         )
+
+
+def _copy_tensor(
+    name: str,
+    tensor: torch.Tensor | CheckpointTensor,
+    dest: torch.Tensor,
+    rows: tuple[int, int, int] | None,
+    leaf: str,
+) -> None:
+    """Read `rows` of a checkpoint tensor (all of it: None) into `dest`, checking its dtype
+    and shape."""
+    if leaf == SCALE_LEAF:  # small: read whole, then this rank's rows
+        tensor = read_scale(_read(tensor, None), rows, dest.shape)
+    else:
+        tensor = _read(tensor, rows)
+    if _is_quantized(tensor.dtype) and tensor.dtype != dest.dtype:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name!r} is {tensor.dtype}, but config.json declares no "
+            "quantization_config that batchlm reads; add it, or load a full-precision "
+            "checkpoint (with quantization='fp8' / 'int8' to quantise it at load)"
+        )
+    if dest.shape != tensor.shape:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(dest.shape)}; config.json and weights disagree"
+        )
+    dest.copy_(tensor)
 
 
 def _is_quantized(dtype: torch.dtype) -> bool:

@@ -19,6 +19,12 @@ class CausalLM(nn.Module, ABC):
     """
 
     packed_modules: ClassVar[dict[str, list[str]]] = {}
+    long_context_len: int | None = None
+    """Sequences longer than this many tokens run with other rotary frequencies at every
+    position (LongRoPE's long factors): the runner passes their positions plus
+    `long_context_len` (where the model's rotary table holds the long rows), and the
+    scheduler recomputes a sequence whose KV was computed before it grew past it. None:
+    one set of frequencies for every length."""
 
     @abstractmethod
     def forward(

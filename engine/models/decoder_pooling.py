@@ -1,4 +1,5 @@
-"""Decoder families (Llama / Mistral / Qwen2 / Qwen3) as pooling models.
+"""Decoder families (Llama, Mistral, Qwen2 / 3, Gemma 2 / 3, Phi-3, OLMo 2) as pooling
+models.
 
 As embedding models they pool the last token's final hidden state (vLLM's LAST pooling);
 as `*ForSequenceClassification` a bias-free `score` head maps that state to label logits.
@@ -43,8 +44,14 @@ class DecoderForPooling(nn.Module):
         super().__init__()
         self.config = config
         self.packed_modules = causal_lm_cls.packed_modules
+        self.checkpoint_prefix_renames = getattr(causal_lm_cls, "checkpoint_prefix_renames", ())
+        self.ignored_checkpoint_prefixes = (
+            *self.ignored_checkpoint_prefixes,
+            *getattr(causal_lm_cls, "ignored_checkpoint_prefixes", ()),
+        )
         causal = causal_lm_cls(config, backend, max_position)
         self.model = causal.model
+        self.long_context_len = getattr(causal, "long_context_len", None)
         self.num_layers = config.num_hidden_layers
         self.num_labels = num_labels
         if num_labels is not None:
@@ -74,6 +81,10 @@ class DecoderForPooling(nn.Module):
             query_start_loc_host=list(cu_seqlens),
             seq_lens_host=seq_lens,
         )
+        long = self.long_context_len
+        if long is not None and max(seq_lens) > long:  # LongRoPE: the long-context rows
+            is_long = torch.tensor([n > long for n in seq_lens], device=device)
+            positions = positions + long * is_long.repeat_interleave(metadata.seq_lens)
         backend = self.model.layers[0].self_attn.attn.backend
         backend.prepare(metadata)
         return self.model(input_ids, positions, [None] * self.num_layers, metadata)

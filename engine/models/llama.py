@@ -6,6 +6,7 @@ Differences between families are declared as class attributes (`qkv_bias`, `o_bi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +60,14 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None,
         tp: TPGroup | None = None,
         reduce_output: bool = True,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        qk_norm_cls: Callable[[int, float], nn.Module] = RMSNorm,
     ) -> None:
+        """`scale` (None: head_dim ** -0.5), `softcap` (attention-score cap, None: none) and
+        `qk_norm_cls` (the per-head q / k norm's class, built as `(head_dim, eps)`) serve the
+        families built from these layers (Gemma)."""
         super().__init__()
         tp_size = tp.world_size if tp is not None else 1
         self.num_heads = config.num_attention_heads // tp_size  # on this rank
@@ -71,16 +79,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_parallel_linear(q_size, config.hidden_size, o_bias, tp, reduce_output)
         self.rotary = rotary
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = qk_norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm_cls(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             backend,
             sliding_window,
+            softcap,
         )
 
     def forward(
@@ -219,6 +228,7 @@ class LlamaForCausalLM(CausalLM):
             check_tensor_parallel(config, self.tp_size)
         head_dim = head_dim_of(config)
         rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
+        self.long_context_len = rotary.long_context_len
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         # Under tensor parallelism the norms sum the row-parallel outputs (one kernel with

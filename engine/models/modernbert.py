@@ -151,7 +151,7 @@ class ModernBertModel(nn.Module):
     packed_modules: ClassVar[dict[str, list[str]]] = {}
     default_pooling_type = PoolingType.CLS
     # A body saved from a wrapper (classifier, masked LM) names its tensors `model.*`.
-    stripped_checkpoint_prefixes = ("model.",)
+    checkpoint_prefix_renames = (("model.", ""),)
 
     def __init__(self, config: Any, **unused: Any) -> None:
         super().__init__()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
+from typing import Any
 
 from ..errors import UnsupportedModelError
 from .base import CausalLM
@@ -13,7 +15,28 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    # Multimodal checkpoints whose language model runs on text prompts alone.
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
 }
+_TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
+
+
+def text_config_of(hf_config: Any) -> Any:
+    """The config the engine runs: for a multimodal checkpoint served as text (`_TEXT_ONLY`),
+    its language model's config, keeping the architecture name and the dtype; any other
+    config as it is."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs or archs[0] not in _TEXT_ONLY:
+        return hf_config
+    text = copy.deepcopy(hf_config.get_text_config())
+    text.architectures = [archs[0]]
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf_config, "dtype", None)
+    return text
 
 
 def supported_architectures() -> list[str]:
@@ -51,10 +74,15 @@ _POOLING: dict[str, tuple[str, str, str]] = {
     # Late interaction: one projected vector per token (`loader/pooling_heads.py`).
     "HF_ColBERT": ("colbert", "ColBertModel", "token_embed"),
 }
-# Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class.
+# Decoder classifiers: `<Family>ForSequenceClassification` → the family's generative class
+# (Gemma 3's text classifier is `Gemma3TextForSequenceClassification`; its
+# `Gemma3ForSequenceClassification` is the multimodal one).
 _DECODER_CLASSIFIERS = {
-    arch.replace("ForCausalLM", "ForSequenceClassification"): arch for arch in _GENERATIVE
+    arch.replace("ForCausalLM", "ForSequenceClassification"): arch
+    for arch in _GENERATIVE
+    if arch.endswith("ForCausalLM") and arch != "Gemma3ForCausalLM"
 }
+_DECODER_CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 
 
 def is_generative(architecture: str) -> bool:

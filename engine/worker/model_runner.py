@@ -348,6 +348,11 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
+        if any(r.long_context for r in reqs):
+            # Long-context sequences read the model's long rotary rows, from its
+            # `long_context_len` on (LongRoPE).
+            is_long = np.fromiter((r.long_context for r in reqs), bool, num_seqs)
+            positions = positions + self.model.long_context_len * is_long[seq_of_token]
         prompt = prompt_logprobs_rows(reqs, qsl)
         fill_rows = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         fill_src = self._fill_sources(reqs, seq_of_token[fill_rows])

@@ -42,7 +42,7 @@ class StepInputs:
     rank 0 sends the other tensor-parallel ranks)."""
 
     input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64, rows of the rotary table (see prepare_inputs)
     query_start_loc: np.ndarray  # [num_seqs + 1] int64
     seq_lens: np.ndarray  # [num_seqs] int64
     block_tables: np.ndarray  # [num_seqs, max_blocks] int64

@@ -444,6 +444,10 @@ def _run_both(path, dtype, prompt_rounds, params, **options) -> tuple[_Run, _Run
         # Rope scaling allows 1024 positions: small batches' graphs split the context.
         ("llama-linear", "float32", 1024),
         ("llama-linear", "bfloat16", 1024),
+        ("gemma2", "bfloat16", None),  # soft-capped decode kernel, sliding + global layers
+        ("gemma3", "bfloat16", None),
+        ("phi3", "bfloat16", None),  # long-context rotary rows (prompts past 32 tokens)
+        ("olmo2", "bfloat16", None),
     ],
 )
 def test_graph_tokens_match_eager(arch, dtype, max_model_len, tiny_model_factory):

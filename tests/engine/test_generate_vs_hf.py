@@ -3,6 +3,8 @@ whatever the cache size, token budget and prefix caching do to the schedule."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from batchlm.engine import LLM, SamplingParams
@@ -53,6 +55,10 @@ ARCHS = [
     "mistral-window",
     "qwen2",
     "qwen3",
+    "gemma2",  # soft-capped scores and logits, sliding layers between global ones
+    "gemma3",  # q / k norms, local and global rotary bases
+    "phi3",  # fused checkpoint tensors, LongRoPE switching lengths, partial rotary
+    "olmo2",  # norms after attention and MLP, q / k norms over the whole projection
 ]
 
 
@@ -82,8 +88,14 @@ def test_greedy_matches_hf_under_every_schedule(arch, tiny_model_factory):
     assert chunks, "no prompt was chunked"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-window"])
-@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize(
+    ("arch", "enable_prefix_caching"),
+    [
+        *itertools.product(["llama", "qwen3", "mistral-window"], [True, False]),
+        # Windows and soft-caps over cached prefixes; LongRoPE's long blocks (60+ tokens).
+        *((arch, True) for arch in ["gemma2", "phi3"]),
+    ],
+)
 def test_shared_prefixes_with_and_without_prefix_caching(
     arch, enable_prefix_caching, tiny_model_factory
 ):

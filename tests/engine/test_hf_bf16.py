@@ -74,9 +74,14 @@ def qwen_shaped(tmp_path_factory, tokenizer_files):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_top5_logprobs_close_to_hf_in_bf16(qwen_shaped, device):
     folder, hf = qwen_shaped
+    assert_top5_close_to_hf(folder, hf, QWEN_05B_SHAPE["vocab_size"], PROMPT_LENS, device)
+
+
+def assert_top5_close_to_hf(folder, hf, vocab: int, prompt_lens, device: str) -> None:
+    """batchlm's greedy tokens and top-5 logprobs (defaults for the device) against `hf`'s
+    on batchlm's continuation, as the module docstring says."""
     gen = torch.Generator().manual_seed(3)
-    vocab = QWEN_05B_SHAPE["vocab_size"]
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
     llm = LLM(
         str(folder), dtype="bfloat16", device=device, max_model_len=1024, max_num_seqs=8, seed=0
     )
@@ -112,3 +117,82 @@ def test_top5_logprobs_close_to_hf_in_bf16(qwen_shaped, device):
         f"top-5 logprobs against HF in bfloat16: largest difference {max(diffs):.3f}, mean {mean:.3f}"
     )
     assert mean <= MEAN_ATOL, mean
+
+
+# Families of other layouts at a small real-ish shape (8 layers of 512), with their real
+# features on: Gemma's caps (50 / 30) and 64-token windows, Gemma 3's scaled global rope,
+# Phi-3's LongRoPE (short up to 64 tokens) over three quarters of each head. Prompts of 7
+# and 33 tokens stay short through their 16 tokens, 120 and 300 are long from the start:
+# HF's one forward over a whole sequence picks the same LongRoPE factors for every position.
+FAMILY_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=49152,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILIES = {
+    "gemma2": (
+        "Gemma2Config",
+        dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64, tie_word_embeddings=True),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=64,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + i / 24 for i in range(24)],
+                "long_factor": [1.0 + i / 4 for i in range(24)],
+            },
+        ),
+    ),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+DEVICE = "cuda"
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_top5_logprobs_close_to_hf_in_bf16(family, tmp_path, tokenizer_files):
+    import shutil
+
+    import transformers
+
+    cls_name, overrides = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**FAMILY_SHAPE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, EMBEDDING_STD)
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.normal_(0.0, EMBEDDING_STD)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # not the identity (Gemma's offsets 0)
+                param.add_(0.2 * torch.randn_like(param))
+    model = model.to(dtype=torch.bfloat16).eval()
+    model.save_pretrained(tmp_path)
+    for f in tokenizer_files:
+        shutil.copy(f, tmp_path / f.name)
+    assert_top5_close_to_hf(tmp_path, model, FAMILY_SHAPE["vocab_size"], PROMPT_LENS, DEVICE)

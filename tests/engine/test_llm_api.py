@@ -150,7 +150,8 @@ def test_an_unsupported_architecture_names_what_each_runner_takes(llama, tmp_pat
         LLM(str(folder), skip_tokenizer_init=True)
     message = str(e.value)
     assert "'GPT2LMHeadModel' is not supported" in message
-    assert "Generation takes LlamaForCausalLM" in message and "BertModel" in message
+    assert "Generation takes Gemma2ForCausalLM" in message  # the list, sorted
+    assert "LlamaForCausalLM" in message and "BertModel" in message
     assert "cannot be used for pooling" not in message
     # A config.json whose values its transformers class refuses (Falcon computes head_dim).
     (folder / "config.json").write_text(

@@ -30,6 +30,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
     max_model_len: int = 64,
+    long_context_len: int | None = None,
 ) -> Scheduler:
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
     config = SchedulerConfig(
@@ -37,7 +38,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=enable_chunked_prefill,
     )
-    return Scheduler(config, kv_cache, max_model_len)
+    return Scheduler(config, kv_cache, max_model_len, long_context_len)
 
 
 def add(
@@ -443,6 +444,64 @@ def test_preempted_request_is_recomputed_from_its_cached_blocks():
     assert b.output_token_ids == [2, 3, 4, 5]
     assert b.status == RequestStatus.FINISHED_LENGTH
     assert free_queue(sched) == [0, 3, 2, 1]
+
+
+def test_request_outgrowing_the_long_context_len_is_recomputed_as_long_context():
+    """LongRoPE (`long_context_len=6`): a sequence of more than 6 tokens is computed with the
+    long factors at every position, so a request that grows past 6 drops its KV and is
+    computed again from its first token, in blocks hashed apart from short requests'."""
+    sched = make_scheduler(num_blocks=8, enable_prefix_caching=True, long_context_len=6)
+    a = add(sched, "a", range(100, 104), max_tokens=4)
+
+    out = sched.schedule()
+    assert steps(out) == [("a", [100, 101, 102, 103], 0, [0], True)]
+    assert not out.scheduled[0].long_context
+    sched.update_from_output(out, {"a": 1})
+
+    # 5 tokens: one draft fits before the length (position 5 scored by a short sequence).
+    a.spec_token_ids = [7, 8, 9]
+    out = sched.schedule()
+    assert steps(out) == [("a", [1, 7], 4, [0, 1], True)]
+    assert out.scheduled[0].spec_token_ids == [7]
+    sched.discard_rejected_drafts("a", 1)
+    sched.update_from_output(out, {"a": 2})
+
+    a.spec_token_ids = [8]  # 6 tokens: at the length, no draft fits
+    out = sched.schedule()
+    assert steps(out) == [("a", [2], 5, [0, 1], True)]
+    assert not a.long_context
+    sched.update_from_output(out, {"a": 3})
+
+    # 7 tokens: recomputed from the start as long-context, block 0's short hash not hit.
+    out = sched.schedule()
+    assert steps(out) == [("a", [100, 101, 102, 103, 1, 2, 3], 0, [2, 3], True)]
+    assert out.scheduled[0].long_context and a.long_context
+    assert out.preempted_request_ids == [] and sched.num_preemptions == 0
+    assert free_queue(sched) == [4, 5, 6, 7, 1, 0]
+    sched.update_from_output(out, {"a": 4})
+    assert a.status == RequestStatus.FINISHED_LENGTH
+
+    # A short prompt hits the short block 0; a long one the long block 2, from a's recompute.
+    b = add(sched, "b", [100, 101, 102, 103, 5], max_tokens=1)
+    c = add(sched, "c", [100, 101, 102, 103, 6, 6, 6], max_tokens=1)
+    out = sched.schedule()
+    assert steps(out) == [("b", [5], 4, [0, 4], True), ("c", [6, 6, 6], 4, [2, 5], True)]
+    assert [s.long_context for s in out.scheduled] == [False, True]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (4, 4)
+
+
+def test_a_request_outgrowing_the_long_context_len_waits_for_its_token_in_flight():
+    """Scheduled ahead (async scheduling), a request whose token in flight takes it past
+    the length is not scheduled: its recompute needs that token on the host."""
+    sched = make_scheduler(long_context_len=5)
+    a = add(sched, "a", range(100, 105), max_tokens=3)
+    first = sched.schedule()
+    ahead = sched.schedule(ahead=True)
+    assert ahead.is_empty and ahead.sync_next
+    sched.update_from_output(first, {"a": 1})
+    out = sched.schedule()
+    assert steps(out) == [("a", [100, 101, 102, 103, 104, 1], 0, [2, 3], True)]
+    assert a.long_context
 
 
 # ---- stop conditions -------------------------------------------------------------------

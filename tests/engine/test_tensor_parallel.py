@@ -82,14 +82,14 @@ def odd_vocab_qwen3(tmp_path_factory, tokenizer_files):
     return out
 
 
-def assert_same_greedy_tokens(path: str, two_ranks: LLM) -> None:
+def assert_same_greedy_tokens(path: str, two_ranks: LLM, prompts: list[str] = PROMPTS) -> None:
     """Greedy tokens equal and top-3 logprobs close to a one-rank engine's, prompt logprobs
     (several vocabulary-parallel LM-head calls per step) included."""
     params = SamplingParams(
         temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2
     )
-    one = LLM(path, max_model_len=128, **SHARE).generate(PROMPTS, params, use_tqdm=False)
-    two = two_ranks.generate(PROMPTS, params, use_tqdm=False)
+    one = LLM(path, max_model_len=128, **SHARE).generate(prompts, params, use_tqdm=False)
+    two = two_ranks.generate(prompts, params, use_tqdm=False)
     assert tokens(two) == tokens(one)
     for a, b in zip(one, two, strict=True):
         positions = [*zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)]
@@ -131,6 +131,18 @@ def test_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory, req
     del llm
     gc.collect()
     assert wait_gone(pids), "a worker outlived its LLM"
+
+
+# Gemma 2 / 3: every row-parallel layer sums its own output (post-norms); Phi-3: fused
+# checkpoint tensors split by rows, and prompts of 27 and 39 tokens crossing LongRoPE's 32
+# (one while generating); OLMo 2: q / k norms summing their mean squares over the ranks.
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "olmo2"])
+def test_decoder_families_over_two_ranks_give_the_greedy_tokens_of_one(family, tiny_model_factory):
+    path = str(tiny_model_factory(family))
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, **SHARE)
+    long_prompts = [" ".join(["river stone glass"] * n) for n in (9, 13)]
+    assert_same_greedy_tokens(path, llm, PROMPTS[:2] + long_prompts)
+    llm.shutdown()
 
 
 def test_smollm2_over_three_ranks_gives_the_greedy_tokens_of_one(smollm2_dir):

@@ -144,6 +144,11 @@ def record_all_launches() -> list[_Launch]:
         ]:
             q, kc, vc, tables, lens, _ = _paged(3, 1, dtype, head_dim, group)
             decode_attention.decode_attention(q, kc, vc, tables, lens, 0.1, 4096, num_splits=splits)
+        # Gemma 2's soft-capped scores over its heads of 256, windowed.
+        q, kc, vc, tables, lens, _ = _paged(3, 1, bf16, 256, 2)
+        decode_attention.decode_attention(
+            q, kc, vc, tables, lens, 0.0625, 4096, 4096, num_splits=2, softcap=50.0
+        )
     launches += got
     with recording(prefill_attention, "_prefill_kernel") as got:
         for dtype, head_dim, group in [
@@ -154,6 +159,10 @@ def record_all_launches() -> list[_Launch]:
         ]:
             q, kc, vc, tables, lens, qsl = _paged(2, 20, dtype, head_dim, group)
             prefill_attention.prefill_attention(q, kc, vc, tables, lens, qsl, 0.1, 20, 24)
+        q, kc, vc, tables, lens, qsl = _paged(2, 20, bf16, 256, 2)
+        prefill_attention.prefill_attention(
+            q, kc, vc, tables, lens, qsl, 0.0625, 20, 4096, softcap=50.0
+        )
     launches += got
     with recording(rms_norm, "_rms_norm_kernel") as got:
         x = torch.zeros(3, 4096, dtype=bf16)

@@ -35,3 +35,7 @@ def test_kernels_compile_for_sm90():
                 kernel,
                 pdl,
             )
+    for kernel in ("_decode", "_prefill"):  # Gemma 2's soft-capped scores
+        assert any(
+            line.startswith(kernel) and "'HAS_SOFTCAP': True" in line for line in compiled
+        ), kernel

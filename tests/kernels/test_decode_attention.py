@@ -275,3 +275,42 @@ def test_aligned_tiles_need_a_power_of_two_block_size(device):
     with pytest.raises(ValueError, match="power-of-two cache block size, got block_size=24"):
         decode_attention(*args, align_tiles_to_blocks=True)
     assert_close(decode_attention(*args), decode_attention_ref(*args[:6]), ATTENTION_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "num_splits", "sliding_window"),
+    [
+        ([1, 17, 45], 1, None),
+        ([3, 130, 200], 3, None),  # split-K: capped partial softmaxes merged
+        ([3, 130, 200], 3, 20),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_matches_reference(seq_lens, num_splits, sliding_window, dtype, device):
+    """Gemma 2's attention-logit soft-cap, tight enough (2.0 against scores of a few units)
+    that it changes the result."""
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, 16, NUM_KV_HEADS, 64, dtype, device
+    )
+    gen = torch.Generator().manual_seed(4)
+    query = (4 * torch.randn(len(seq_lens), NUM_KV_HEADS * 2, 64, generator=gen)).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query.to(device), key_cache, value_cache, block_tables, lens, 0.125)
+    window = {"sliding_window": sliding_window}
+    out = decode_attention(
+        *args, max_seq_len=max(seq_lens), num_splits=num_splits, softcap=2.0, **window
+    )
+    ref = decode_attention_ref(*args, softcap=2.0, **window)
+    assert_close(out, ref, ATTENTION_TOLERANCE)
+    uncapped = decode_attention_ref(*args, **window)
+    assert not torch.allclose(ref.float(), uncapped.float(), atol=0.1)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), True, "50"])
+def test_softcap_must_be_positive(softcap, device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    query = torch.randn(1, 4, 64, device=device)
+    with pytest.raises(ValueError, match=f"softcap={softcap!r} must be a finite number > 0"):
+        decode_attention(query, key_cache, value_cache, block_tables, lens, 1.0, 5,
+                         softcap=softcap)  # fmt: skip

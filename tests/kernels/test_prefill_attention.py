@@ -31,7 +31,18 @@ def _random_batch(n: int, max_len: int, seed: int) -> list[tuple[int, int]]:
     return batch
 
 
-def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None, **launch):
+def _run(
+    batch,
+    dtype,
+    head_dim,
+    block_size,
+    group,
+    device,
+    sliding_window=None,
+    softcap=None,
+    query_scale=1.0,
+    **launch,
+):
     seq_lens = [s for _, s in batch]
     key_cache, value_cache, block_tables = make_paged_cache(
         seq_lens, block_size, NUM_KV_HEADS, head_dim, dtype, device
@@ -41,12 +52,15 @@ def _run(batch, dtype, head_dim, block_size, group, device, sliding_window=None,
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen)
+    query = query_scale * query
     query, qsl = query.to(dtype).to(device), qsl.to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     args = (query, key_cache, value_cache, block_tables, lens, qsl, scale)
-    out = prefill_attention(*args, max(q_lens), sliding_window, **launch)
-    assert_close(out, prefill_attention_ref(*args, sliding_window), ATTENTION_TOLERANCE)
+    out = prefill_attention(*args, max(q_lens), sliding_window, softcap=softcap, **launch)
+    ref = prefill_attention_ref(*args, sliding_window, softcap)
+    assert_close(out, ref, ATTENTION_TOLERANCE)
+    return ref
 
 
 @pytest.mark.parametrize(
@@ -77,6 +91,16 @@ def test_prefill_matches_reference(batch, dtype, head_dim, block_size, group, de
 @pytest.mark.parametrize("sliding_window", [1, 8, 1000])
 def test_sliding_window_matches_reference(batch, sliding_window, device):
     _run(batch, torch.float32, 64, 16, 4, device, sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_matches_reference(sliding_window, dtype, device):
+    """Gemma 2's attention-logit soft-cap on every kind of sequence of a mixed batch."""
+    # Scores of several units against a cap of 2: the cap changes the result.
+    capped = _run(SMALL_BATCH, dtype, 64, 16, 2, device, sliding_window, 2.0, query_scale=4.0)
+    uncapped = _run(SMALL_BATCH, dtype, 64, 16, 2, device, sliding_window, query_scale=4.0)
+    assert not torch.allclose(capped.float(), uncapped.float(), atol=0.1)
 
 
 @pytest.mark.parametrize("group", [3, 7])  # groups that do not divide the tile's rows
@@ -119,6 +143,7 @@ def test_launcher_rejects_bad_arguments(device):
         ({"block_n": 8}, "block_n=8 must be a power of two in"),
         ({"num_warps": 3}, "num_warps=3 must be a power of two"),
         ({"num_stages": 0}, "num_stages=0 must be an integer in"),
+        ({"softcap": 0.0}, "softcap=0.0 must be a finite number > 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             prefill_attention(query, *args, qsl, 1.0, 5, **bad)

@@ -46,14 +46,16 @@ def _metadata(query_lens, seq_lens, block_size, device) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize(
-    ("query_lens", "seq_lens", "sliding_window"),
+    ("query_lens", "seq_lens", "sliding_window", "softcap"),
     [
-        ([1, 1, 1], [1, 20, 37], None),  # decode only: the decode kernel
-        ([12, 1, 5], [12, 30, 40], None),  # fresh prefill, decode, cached prefix: prefill kernel
-        ([6, 1], [40, 33], 8),  # sliding window on both paths
+        ([1, 1, 1], [1, 20, 37], None, None),  # decode only: the decode kernel
+        ([12, 1, 5], [12, 30, 40], None, None),  # fresh prefill, decode, cached prefix: prefill
+        ([6, 1], [40, 33], 8, None),  # sliding window on both paths
+        ([1, 1, 1], [1, 20, 37], 16, 1.0),  # soft-capped scores (Gemma 2), decode kernel
+        ([12, 1, 5], [12, 30, 40], 8, 1.0),  # and prefill kernel / torch's fresh and paged paths
     ],
 )
-def test_backend_step_matches_torch_backend(query_lens, seq_lens, sliding_window, device):
+def test_backend_step_matches_torch_backend(query_lens, seq_lens, sliding_window, softcap, device):
     block_size, num_kv_heads, group, head_dim = 16, 2, 2, 32
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-s // block_size) for s in seq_lens)
@@ -70,7 +72,9 @@ def test_backend_step_matches_torch_backend(query_lens, seq_lens, sliding_window
         metadata = _metadata(query_lens, seq_lens, block_size, device)
         backend.prepare(metadata)
         layer_cache = cache.clone()
-        out = backend.forward(q, k, v, layer_cache, metadata, head_dim**-0.5, sliding_window)
+        out = backend.forward(
+            q, k, v, layer_cache, metadata, head_dim**-0.5, sliding_window, softcap
+        )
         results[name] = (out, layer_cache)
     assert_close(results["triton"][0], results["torch"][0], ATTENTION_TOLERANCE)
     assert torch.equal(results["triton"][1], results["torch"][1])
@@ -150,13 +154,17 @@ def _check_same_tokens_as_torch(path, rounds, max_tokens, **options):
     )
 
 
-def test_greedy_tokens_match_torch_backend(tiny_model_factory):
-    """Under the interpreter on CPU: a tiny Llama, few tokens."""
-    _check_same_tokens_as_torch(tiny_model_factory("llama"), _rounds(3, 40), max_tokens=4)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: soft-caps, sliding layers
+def test_greedy_tokens_match_torch_backend(arch, tiny_model_factory):
+    """Under the interpreter on CPU: tiny models, few tokens."""
+    _check_same_tokens_as_torch(tiny_model_factory(arch), _rounds(3, 40), max_tokens=4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "mistral-window", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "mistral-window", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"],
+)
 def test_greedy_tokens_match_torch_backend_gpu(arch, tiny_model_factory):
     _check_same_tokens_as_torch(tiny_model_factory(arch), _rounds(8, 70), max_tokens=32)
 

@@ -1,4 +1,4 @@
-"""Gated activations (a Triton kernel on CUDA)."""
+"""Gated activations (SiLU with a Triton kernel on CUDA; GELU in PyTorch)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,12 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """`gelu(gate) * up` with GELU's tanh approximation (Hugging Face's `gelu_pytorch_tanh`,
+    Gemma's GeGLU) for an input laid out as `[..., 2 * d] = [gate | up]`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

@@ -1,4 +1,4 @@
-"""The attention layer: heads, scale and window around the chosen backend."""
+"""The attention layer: heads, scale, window and soft-cap around the chosen backend."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ class Attention(nn.Module):
         scale: Softmax scale, usually head_dim ** -0.5.
         backend: Computes attention and writes the cache.
         sliding_window: Keys further back than this many positions are not attended.
+        softcap: Caps the scaled scores at ±softcap (`softcap * tanh(score / softcap)`,
+            Gemma 2's `attn_logit_softcapping`); None: no cap.
     """
 
     def __init__(
@@ -28,6 +30,7 @@ class Attention(nn.Module):
         scale: float,
         backend: AttentionBackend,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -36,6 +39,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -47,7 +51,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Key and value None: `rotate_into_cache` stored them."""
         out = self.backend.forward(
-            query, key, value, kv_cache, metadata, self.scale, self.sliding_window
+            query, key, value, kv_cache, metadata, self.scale, self.sliding_window, self.softcap
         )
         return out.reshape(out.shape[0], -1)
 

@@ -57,3 +57,59 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class Float32ScaledRMSNorm(nn.Module):
+    """`x / rms(x) * (weight_offset + weight)`, the weight applied in float32 before the
+    result is rounded to x's dtype (the order of Gemma and OLMo 2; `RMSNorm` rounds first,
+    as Llama does). Plain PyTorch.
+
+    Args:
+        hidden_size: Width of the normalised dimension (the whole vector's, split or not).
+        eps: Added to the mean square before the square root.
+        weight_offset: Added to the weight: Gemma stores it as an offset from 1.
+        tp: A tensor-parallel group over which the normalised vector is split (OLMo 2's
+            q / k norms over the whole projection): each rank holds `hidden_size / tp_size`
+            channels of `x` and of the weight, and the mean square is summed over the ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        weight_offset: float = 0.0,
+        tp: TPGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank = tp.rank if tp is not None else 0
+        self.tp_size = tp.world_size if tp is not None else 1
+        if hidden_size % self.tp_size:
+            raise ValueError(
+                f"a norm over {hidden_size} channels cannot be split over "
+                f"tensor_parallel_size={self.tp_size} ranks"
+            )
+        self.tp = tp if self.tp_size > 1 else None
+        self.hidden_size = hidden_size
+        # Filled from the checkpoint; the identity until then.
+        self.weight = nn.Parameter(torch.full((hidden_size // self.tp_size,), 1.0 - weight_offset))
+        self.eps = eps
+        self.weight_offset = weight_offset
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise `x` (or `x + residual`, also returning that sum as the new residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        if self.tp is None:
+            mean_square = h.pow(2).mean(-1, keepdim=True)
+        else:
+            mean_square = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.hidden_size
+        h = h * torch.rsqrt(mean_square + self.eps)
+        weight = self.weight.float()
+        if self.weight_offset:
+            weight = self.weight_offset + weight
+        out = (h * weight).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,9 +1,15 @@
-"""Rotary position embeddings and the scalings of the Llama / Mistral / Qwen families.
+"""Rotary position embeddings and the scalings of the decoder families.
 
 Frequencies are computed here from the config (default, linear, dynamic NTK, llama3,
-yarn); cos / sin are tabulated once for `max_position` positions and looked up per token.
-Rotation is the "rotate half" (GPT-NeoX) layout used by Hugging Face checkpoints; on CUDA a
-Triton kernel applies it from the same table.
+yarn, longrope); cos / sin are tabulated once for `max_position` positions and looked up
+per token. Rotation is the "rotate half" (GPT-NeoX) layout used by Hugging Face
+checkpoints; on CUDA a Triton kernel applies it from the same table.
+
+LongRoPE (Phi-3) has two sets of frequencies: a sequence of at most
+`original_max_position_embeddings` tokens uses the short factors at every position, a longer
+one the long factors at every position (as Hugging Face picks them by sequence length).
+The table then holds the short rows, followed by the long rows from row
+`long_context_len` on: a long sequence's positions are looked up offset by it.
 """
 
 from __future__ import annotations
@@ -25,12 +31,18 @@ class RopeSpec:
     rotary_dim: int
     params: dict[str, Any]
     max_position_embeddings: int
+    original_max_position_embeddings: int | None = None
+    """The config's top-level value (Phi-3 keeps it there); it takes precedence over the
+    one in `params` for LongRoPE, as in Hugging Face."""
 
 
-def rope_spec_from_config(hf_config: Any, head_dim: int) -> RopeSpec:
+def rope_spec_from_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     """Reads both config spellings: `rope_parameters` (transformers 5) and `rope_theta` +
-    `rope_scaling` (earlier)."""
+    `rope_scaling` (earlier). `layer_type` picks one entry of parameters nested by layer
+    type (Gemma 3's `sliding_attention` / `full_attention`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     if not params:
         params = dict(scaling)
@@ -43,6 +55,9 @@ def rope_spec_from_config(hf_config: Any, head_dim: int) -> RopeSpec:
         rotary_dim=int(head_dim * (partial or 1.0)),
         params=params,
         max_position_embeddings=int(hf_config.max_position_embeddings),
+        original_max_position_embeddings=getattr(
+            hf_config, "original_max_position_embeddings", None
+        ),
     )
 
 
@@ -71,9 +86,44 @@ def compute_inv_freq(spec: RopeSpec, max_position: int) -> tuple[torch.Tensor, f
         return _llama3_inv_freq(spec), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(spec)
+    if kind == "longrope":
+        return longrope_inv_freq(spec, long=False)
     raise ValueError(
-        f"rope_type={kind!r} is not supported; supported: default, linear, dynamic, llama3, yarn"
+        f"rope_type={kind!r} is not supported; supported: default, linear, dynamic, llama3, "
+        "yarn, longrope"
     )
+
+
+def longrope_original_len(spec: RopeSpec) -> int:
+    """The context LongRoPE's short factors serve: longer sequences use the long ones."""
+    orig = spec.original_max_position_embeddings or spec.params.get(
+        "original_max_position_embeddings"
+    )
+    return int(orig or spec.max_position_embeddings)
+
+
+def longrope_inv_freq(spec: RopeSpec, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE's frequencies, divided by the short or the long factors, and its factor on
+    cos / sin: `sqrt(1 + ln(factor) / ln(original length))`, `factor` defaulting to
+    `max_position_embeddings / original length` (Hugging Face's rule)."""
+    p, dim = spec.params, spec.rotary_dim
+    orig = longrope_original_len(spec)
+    name = "long_factor" if long else "short_factor"
+    ext = p.get(name)
+    if not isinstance(ext, (list, tuple)) or len(ext) != dim // 2:
+        raise ValueError(
+            f"rope_scaling {name}={ext!r} must be a list of rotary_dim / 2 = {dim // 2} "
+            "numbers (longrope); fix the checkpoint's config.json"
+        )
+    factor = p.get("factor") or spec.max_position_embeddings / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        )
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * spec.theta**exponent)
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(spec: RopeSpec) -> torch.Tensor:
@@ -140,14 +190,20 @@ class RotaryEmbedding(nn.Module):
         self.spec = spec
         self.head_dim = head_dim
         self.max_position = max_position
+        self.long_context_len: int | None = None
+        """LongRoPE with sequences longer than its original context: a sequence longer than
+        this uses the table's rows from this one on (its positions offset by it)."""
+        if spec.rope_type == "longrope" and max_position > longrope_original_len(spec):
+            self.long_context_len = longrope_original_len(spec)
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
-    def _table(self) -> torch.Tensor:
-        inv_freq, attention_factor = compute_inv_freq(self.spec, self.max_position)
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return torch.stack([emb.cos(), emb.sin()]) * attention_factor  # [2, max_pos, rot_dim]
+    def _table(self) -> torch.Tensor:  # [2, rows, rotary_dim]
+        if self.long_context_len is None:
+            inv_freq, attention_factor = compute_inv_freq(self.spec, self.max_position)
+            return _cos_sin(inv_freq, attention_factor, self.max_position)
+        short = _cos_sin(*longrope_inv_freq(self.spec, long=False), self.long_context_len)
+        long = _cos_sin(*longrope_inv_freq(self.spec, long=True), self.max_position)
+        return torch.cat([short, long], dim=1)
 
     def reset_buffers(self) -> None:
         """Recompute the table (after the module was materialised from the meta device)."""
@@ -167,6 +223,13 @@ class RotaryEmbedding(nn.Module):
         cos = cos_sin[0].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, rotary_dim]
         sin = cos_sin[1].unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _cos_sin(inv_freq: torch.Tensor, attention_factor: float, num_positions: int) -> torch.Tensor:
+    t = torch.arange(num_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [num_positions, rotary_dim // 2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()]) * attention_factor  # [2, num_positions, rot_dim]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
