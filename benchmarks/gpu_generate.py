@@ -193,7 +193,7 @@ def decode_breakdown(llm: LLM, prompts, params: SamplingParams, shape: dict) -> 
     full_s, outs = run_batchlm(llm, prompts, params)
     steps = max(len(o.outputs[0].token_ids) for o in outs) - 1
     per_step = (full_s - prefill_s) / max(steps, 1)
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
     kv_bytes_per_token = (
         2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
     )
