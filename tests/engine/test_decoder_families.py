@@ -174,3 +174,76 @@ def test_bidirectional_gemma3_is_refused(tiny_model_factory, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention=True"):
         LLM(str(folder), max_model_len=64)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_int8_families_equal_transformers_on_the_dequantised_weights(family, tiny_model_factory):
+    """`quantization="int8"` on each new family: its greedy tokens are those of transformers
+    running the int8 weights dequantised (every decoder projection; the embedding, the LM
+    head and the norms stay in full precision)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchlm.engine.models.layers.quant import dequantize, quantize_per_row
+
+    path = tiny_model_factory(family)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in hf.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                q = quantize_per_row(module.weight, torch.int8)
+                module.weight.copy_(dequantize(q.values, q.scale, torch.float32))
+    prompts = _random_prompts([5, 13, 30], seed=11)
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(gen[0, len(ids) :].tolist())
+    llm = LLM(str(path), max_model_len=128, quantization="int8", seed=0)
+    layer = next(
+        m
+        for m in llm.llm_engine.runner.model.modules()
+        if hasattr(m, "quant_method") and m.quant_method is not None
+    )
+    assert layer.weight.dtype == torch.int8
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_ngram_speculation_keeps_the_families_greedy_tokens(family, tiny_model_factory):
+    """n-gram drafts on each new family: the greedy tokens of the engine without them, with
+    drafts proposed (repeating prompts, and one-token lookups into the model's own loops)."""
+    path = tiny_model_factory(family)
+    pattern = _random_prompts([6], seed=3)[0]
+    prompts = [pattern * 4, _random_prompts([9], seed=4)[0] * 3]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(path), max_model_len=128, seed=0)
+    expected = [
+        o.outputs[0].token_ids
+        for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    plain.shutdown()
+    spec = LLM(
+        str(path),
+        max_model_len=128,
+        seed=0,
+        spec_method="ngram",
+        spec_tokens=3,
+        prompt_lookup_min=1,
+        disable_log_stats=False,
+    )
+    outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    drafts = {m.name: m for m in spec.get_metrics()}["batchlm:spec_decode_num_draft_tokens"]
+    assert drafts.value > 0
+    spec.shutdown()
