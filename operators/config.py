@@ -33,8 +33,9 @@ class OperatorConfig:
     """Keyword arguments for `LLM(model, **engine_kwargs)` (dtype, max_model_len, ...)."""
     batch_size: int = 64
     """Rows per batch handed to the engine stage."""
-    concurrency: int = 1
-    """Engine replicas (Ray actors); each loads the model once."""
+    concurrency: int | tuple[int, int] = 1
+    """Engine replicas (Ray actors; Spark: partitions at once), each loading the model once;
+    `(min, max)` lets Ray autoscale the actor pool between the two (Spark takes the max)."""
     num_gpus: float | None = None
     """GPUs per replica; None: `tensor_parallel_size` on a CUDA machine, else 0."""
     max_batch_retries: int = 2
@@ -43,10 +44,27 @@ class OperatorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise RowContractError(f"model={self.model!r} must be a non-empty path or name")
-        for name in ("batch_size", "concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise RowContractError(f"{name}={value!r} must be an integer >= 1")
+        if not _is_count(self.batch_size):
+            raise RowContractError(f"batch_size={self.batch_size!r} must be an integer >= 1")
+        concurrency = self.concurrency
+        if isinstance(concurrency, list):  # YAML and JSON have no tuples
+            concurrency = tuple(concurrency)
+            object.__setattr__(self, "concurrency", concurrency)
+        if isinstance(concurrency, tuple):
+            if (
+                len(concurrency) != 2
+                or not all(map(_is_count, concurrency))
+                or (concurrency[0] > concurrency[1])
+            ):
+                raise RowContractError(
+                    f"concurrency={concurrency!r} must be an integer >= 1 or (min, max) with "
+                    "1 <= min <= max"
+                )
+        elif not _is_count(concurrency):
+            raise RowContractError(
+                f"concurrency={concurrency!r} must be an integer >= 1 or (min, max) with "
+                "1 <= min <= max"
+            )
         if self.max_batch_retries < 0:
             raise RowContractError(f"max_batch_retries={self.max_batch_retries} must be >= 0")
         if "model" in self.engine_kwargs:
@@ -80,6 +98,12 @@ class OperatorConfig:
         )
 
     @property
+    def max_concurrency(self) -> int:
+        """The most engine replicas: `concurrency`, or its max."""
+        c = self.concurrency
+        return c[1] if isinstance(c, tuple) else c
+
+    @property
     def tensor_parallel_size(self) -> int:
         return int(self.engine_kwargs.get("tensor_parallel_size", 1) or 1)
 
@@ -108,6 +132,10 @@ class OperatorConfig:
 
         args = EngineArgs.from_kwargs(self.model, **self.engine_kwargs)
         return ModelInfo.from_hf_config(args.create_engine_config().model.hf_config)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 __all__ = ["OperatorConfig"]

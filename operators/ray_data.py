@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import os
@@ -67,8 +68,8 @@ class ProcessorConfig(OperatorConfig):
     """Ray tasks (input bundles) one actor runs at once. Each streams its batches into the
     same engine, so a second task keeps the engine busy while the first one's tail ends."""
     ray_remote_args: Mapping[str, Any] = field(default_factory=dict)
-    """Extra actor options for `map_batches` (`num_cpus`, `resources`, `runtime_env`, ...);
-    they win over the ones derived here."""
+    """Extra actor options (`num_cpus`, `memory`, `resources`, `runtime_env`, or any option
+    of `ray.remote`); they win over the ones derived here."""
     stats_dir: str | None = None
     """If set, every actor writes its counts (engine builds, batches, rows, most batches in
     the engine at once) to a JSON file there after each batch."""
@@ -219,33 +220,52 @@ def _has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+# Actor resources that `map_batches` takes as parameters of its own (its `**ray_remote_args`
+# are deprecated from Ray 2.60); other actor options reach it through `ray_remote_args_fn`.
+_NAMED_RESOURCES = (
+    "num_cpus",
+    "num_gpus",
+    "memory",
+    "resources",
+    "accelerator_type",
+    "runtime_env",
+    "label_selector",
+)
+
+
 def map_batches_kwargs(config: OperatorConfig, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for `ds.map_batches(<Task>Actor, **kwargs)`.
 
-    Ray restarts a dead actor (`max_restarts=-1`) and retries its task at most
+    The actor pool has `concurrency` actors, or autoscales between `(min, max)`. Ray
+    restarts a dead actor (`max_restarts=-1`) and retries its task at most
     `max_batch_retries` times (`max_task_retries`), so a batch that kills its actor every
-    time fails the job instead of looping.
+    time fails the job instead of looping. Resources go through `map_batches`' own
+    parameters (`num_gpus`, `num_cpus`, `memory`, ...), other actor options through
+    `ray_remote_args_fn`.
     """
     from ray.data import ActorPoolStrategy
 
     max_tasks = getattr(config, "max_tasks_per_actor", 2)
+    extra = dict(getattr(config, "ray_remote_args", {}) or {})
+    actor_options = {"max_restarts": -1, "max_task_retries": config.max_batch_retries}
+    actor_options.update({k: v for k, v in extra.items() if k not in _NAMED_RESOURCES})
     kwargs: dict[str, Any] = {
         "fn_constructor_kwargs": {"config": config},
         "batch_size": config.batch_size,
         "batch_format": "pyarrow",
         "num_gpus": default_num_gpus(config),
-        "max_restarts": -1,
-        "max_task_retries": config.max_batch_retries,
+        "ray_remote_args_fn": functools.partial(dict, actor_options),
     }
+    kwargs.update({k: v for k, v in extra.items() if k in _NAMED_RESOURCES})
+    concurrency = config.concurrency
+    lo, hi = concurrency if isinstance(concurrency, tuple) else (concurrency, concurrency)
+    pool = {"size": lo} if lo == hi else {"min_size": lo, "max_size": hi}
     if "max_concurrent_calls_per_actor" in inspect.signature(ActorPoolStrategy).parameters:
-        compute = ActorPoolStrategy(
-            size=config.concurrency, max_concurrent_calls_per_actor=max_tasks
-        )
+        compute = ActorPoolStrategy(**pool, max_concurrent_calls_per_actor=max_tasks)
     else:  # Ray before 2.5x: the actor option itself
-        compute = ActorPoolStrategy(size=config.concurrency)
-        kwargs["max_concurrency"] = max_tasks
+        compute = ActorPoolStrategy(**pool)
+        actor_options["max_concurrency"] = max_tasks
     kwargs["compute"] = compute
-    kwargs.update(getattr(config, "ray_remote_args", {}) or {})
     kwargs.update(overrides)
     if "concurrency" in kwargs and "compute" not in overrides:
         del kwargs["compute"]  # the caller sized the pool the older way
@@ -274,9 +294,9 @@ class Processor:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         with warnings.catch_warnings():
-            # Ray 2.5x deprecates `**ray_remote_args` but has no other way to bound
-            # `max_task_retries`.
-            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            # Ray 2.60 deprecates `ray_remote_args_fn` but has no named parameter for the
+            # actor options it carries (bounded `max_task_retries`); resources are named.
+            warnings.filterwarnings("ignore", message=".*ray_remote_args_fn.*deprecated")
             ds = ds.map_batches(
                 actor_class(self.config.spec.task),
                 **map_batches_kwargs(self.config, **self.map_batches_overrides),

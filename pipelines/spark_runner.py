@@ -36,7 +36,9 @@ class SparkRunner(Runner):
             table = shard.table
             numbered = table.append_column(ROW_COLUMN, pa.array(range(table.num_rows), pa.int64()))
             df = _to_spark(spark, numbered)
-            parts = min(self.config.concurrency, math.ceil(table.num_rows / self.config.batch_size))
+            parts = min(
+                self.config.max_concurrency, math.ceil(table.num_rows / self.config.batch_size)
+            )
             # One partition per engine replica; coalescing to one moves no data.
             df = df.repartition(parts) if parts > 1 else df.coalesce(1)
             out = _to_arrow(map_in_arrow(df, self.config))

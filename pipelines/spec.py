@@ -402,6 +402,12 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
             return float(value)
         if origin is str and isinstance(value, str):
             return value
+        if origin is tuple and isinstance(value, (list, tuple)):
+            items = typing.get_args(option)
+            if len(value) == len(items) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                return tuple(value)
     wanted = " or ".join(_hint_name(o) for o in options)
     raise JobSpecError(f"{key}: expected {wanted}, got {value!r} ({_type_name(value)})")
 
@@ -414,6 +420,8 @@ def _hint_name(hint: Any) -> str:
     if hint is type(None):
         return "null"
     origin = typing.get_origin(hint) or hint
+    if origin is tuple:
+        return f"a list of {len(typing.get_args(hint))} integers"
     return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(
         origin, "a mapping" if origin in (Mapping, dict) else str(hint)
     )

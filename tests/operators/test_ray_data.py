@@ -22,7 +22,6 @@ import pytest
 from batchlm.engine import LLM, SamplingParams
 from batchlm.operators.fault_injection import ActorFault, FaultPlan
 from batchlm.operators.ray_data import (
-    EmbedActor,
     GenerateActor,
     ProcessorConfig,
     build_processor,
@@ -184,8 +183,24 @@ def test_map_batches_kwargs_bound_retries_and_follow_tensor_parallel(monkeypatch
     kwargs = map_batches_kwargs(config)
     assert kwargs["fn_constructor_kwargs"] == {"config": config}
     assert (kwargs["batch_size"], kwargs["compute"].min_size, kwargs["num_gpus"]) == (16, 3, 0.0)
-    assert (kwargs["max_restarts"], kwargs["max_task_retries"]) == (-1, 4)
+    # Actor options reach Ray through ray_remote_args_fn, resources as named parameters:
+    # map_batches' **ray_remote_args are deprecated from Ray 2.60.
+    assert kwargs["ray_remote_args_fn"]() == {"max_restarts": -1, "max_task_retries": 4}
     assert kwargs["batch_format"] == "pyarrow" and kwargs["num_cpus"] == 0.5
+    assert not set(kwargs) - {
+        "fn_constructor_kwargs",
+        "batch_size",
+        "batch_format",
+        "num_gpus",
+        "num_cpus",
+        "ray_remote_args_fn",
+        "compute",
+    }
+    autoscaling = ProcessorConfig.create(MINILM, "embed", concurrency=(1, 4))
+    compute = map_batches_kwargs(autoscaling)["compute"]
+    assert (compute.min_size, compute.max_size) == (1, 4)
+    with pytest.raises(RowContractError, match=r"concurrency=\(4, 1\)"):
+        ProcessorConfig.create(MINILM, "embed", concurrency=(4, 1))
     monkeypatch.setattr(ray_data, "_has_gpus", lambda: True)
     assert map_batches_kwargs(config)["num_gpus"] == 2.0
     assert map_batches_kwargs(config, num_gpus=0.5)["num_gpus"] == 0.5
@@ -292,18 +307,16 @@ def test_actor_killed_mid_job_restarts_and_every_row_comes_once(
     config = _embed_config(tmp_path)
     marker = tmp_path / "exits"
     fault = FaultPlan(actor=ActorFault(on_call=3, kind="exit", marker=str(marker), times=1))
-    ds = ray_local.data.read_parquet(str(embed_input)).map_batches(
-        EmbedActor, **map_batches_kwargs(config, runtime_env={"env_vars": fault.env()})
-    )
-    # A postprocess stage after the engine, as build_processor would add.
-    ds = ds.map(
-        lambda r: {
+    processor = build_processor(
+        config,
+        postprocess=lambda r: {
             "id": r["id"],
             "head": None if r["embedding"] is None else float(r["embedding"][0]),
             "error": r["error"],
-        }
+        },
+        runtime_env={"env_vars": fault.env()},
     )
-    ds.write_parquet(str(tmp_path / "out"))
+    processor(ray_local.data.read_parquet(str(embed_input))).write_parquet(str(tmp_path / "out"))
 
     assert len(marker.read_text().splitlines()) == 1  # the actor process did die once
     out = pq.read_table(tmp_path / "out")
@@ -326,9 +339,8 @@ def test_engine_failing_on_every_retry_fails_the_job_with_the_error(
     config = _embed_config(tmp_path, max_batch_retries=1)
     marker = str(tmp_path / "faults")
     fault = FaultPlan(actor=ActorFault(on_call=1, kind="raise", marker=marker, times=1000))
-    ds = ray_local.data.read_parquet(str(embed_input)).map_batches(
-        EmbedActor, **map_batches_kwargs(config, runtime_env={"env_vars": fault.env()})
-    )
+    processor = build_processor(config, runtime_env={"env_vars": fault.env()})
+    ds = processor(ray_local.data.read_parquet(str(embed_input)))
     with pytest.raises(Exception) as e:
         ds.write_parquet(str(tmp_path / "out"))
     message = str(e.value)

@@ -40,6 +40,18 @@ def test_spec_shorthand_columns_and_round_trip(tmp_path):
         job.with_overrides(runner="mpi")
 
 
+def test_concurrency_is_a_count_or_an_autoscaling_range():
+    base = {"input": "data/", "task": "embed", "model": MINILM, "output": "out/"}
+    job = JobSpec.from_dict({**base, "runner": "ray", "concurrency": [1, 4]})
+    assert job.to_operator_config().concurrency == (1, 4)
+    assert job.to_operator_config().max_concurrency == 4
+    assert JobSpec.from_dict(job.to_dict()) == job
+    with pytest.raises(JobSpecError, match=r"concurrency=\(4, 1\) must be an integer >= 1 or"):
+        JobSpec.from_dict({**base, "concurrency": [4, 1]})
+    with pytest.raises(JobSpecError, match="concurrency: expected an integer or a list of 2"):
+        JobSpec.from_dict({**base, "concurrency": "two"})
+
+
 def test_set_overrides_are_yaml_values(tmp_path):
     path = write_job(
         tmp_path / "job.yaml",
