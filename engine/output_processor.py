@@ -24,9 +24,11 @@ class RequestState:
         )
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        self.prompt_logprobs: PromptLogprobs | None = None
+        if params.prompt_logprobs is not None:
+            # Positions before the first scored one stay None (position 0 always does).
+            num_unscored = max(params.prompt_logprobs_start, 1)
+            self.prompt_logprobs = [None] * min(num_unscored, len(request.prompt_token_ids))
         self.sampling_mask: list[list[int]] | None = None
         """Filled once the runner sends masks (it does when return_sampling_mask is on)."""
         self.tokenizer = tokenizer
