@@ -71,7 +71,7 @@ class SamplingParams:
     """Keep only the last k prompt tokens (k >= 1); -1 keeps the last max_model_len; None
     keeps the whole prompt (which must then fit max_model_len)."""
     detokenize: bool = True
-    """Turn output token ids into text."""
+    """Turn output token ids into text (and logprobs' candidates into `decoded_token`)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
     spaces_between_special_tokens: bool = True

@@ -148,3 +148,30 @@ def test_prompt_logprobs_start_past_the_prompt_scores_nothing(path):
     assert out.prompt_logprobs == [None] * 5
     with pytest.raises(ValueError, match="prompt_logprobs_start=-1 must be"):
         SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
+
+
+def test_detokenize_false_leaves_logprob_candidates_undecoded(path):
+    llm = LLM(path, max_model_len=64, seed=0)
+    prompt = make_prompts(llm.get_tokenizer(), [6])[0]
+    outs = {
+        flag: llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(
+                max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1, detokenize=flag
+            ),
+            use_tqdm=False,
+        )[0]
+        for flag in (True, False)
+    }
+    plain, raw = outs[True], outs[False]
+    assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == plain.outputs[0].token_ids
+    for a, b in zip(
+        raw.prompt_logprobs[1:] + raw.outputs[0].logprobs,
+        plain.prompt_logprobs[1:] + plain.outputs[0].logprobs,
+        strict=True,
+    ):
+        assert {t: (e.logprob, e.rank) for t, e in a.items()} == {
+            t: (e.logprob, e.rank) for t, e in b.items()
+        }
+        assert all(e.decoded_token is None for e in a.values())
+        assert all(e.decoded_token is not None for e in b.values())
