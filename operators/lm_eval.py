@@ -327,10 +327,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--model" or a.startswith("--model=") for a in args) and (
-        "-h" not in args and "--help" not in args
-    ):
-        args = ["--model", MODEL_NAME, *args]
+    names_model = any(a in ("--model", "-M") or a.startswith("--model=") for a in args)
+    command = args[:1] if args[:1] == ["run"] else []  # the harness's `run` subcommand
+    rest = args[len(command) :]
+    if rest and not names_model and rest[0] not in ("ls", "validate", "-h", "--help"):
+        args = [*command, "--model", MODEL_NAME, *rest]
     sys.argv = [f"{sys.executable} -m batchlm.operators.lm_eval", *args]
     cli_evaluate()
 
