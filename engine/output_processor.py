@@ -24,9 +24,11 @@ class RequestState:
         )
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        self.prompt_logprobs: PromptLogprobs | None = None
+        if params.prompt_logprobs is not None:
+            # Positions before the first scored one stay None (position 0 always does).
+            num_unscored = max(params.prompt_logprobs_start, 1)
+            self.prompt_logprobs = [None] * min(num_unscored, len(request.prompt_token_ids))
         self.sampling_mask: list[list[int]] | None = None
         """Filled once the runner sends masks (it does when return_sampling_mask is on)."""
         self.tokenizer = tokenizer
@@ -71,7 +73,7 @@ class OutputProcessor:
             params = request.sampling_params
             entry = step.logprobs.get(rid)
             if state.logprobs is not None and entry is not None:
-                state.logprobs.append(self._logprob_dict(token_id, entry))
+                state.logprobs.append(self._logprob_dict(token_id, entry, params.detokenize))
                 state.cumulative_logprob += entry.logprob
             mask = masks.get(rid)
             if mask is not None:
@@ -110,17 +112,23 @@ class OutputProcessor:
                 self._logprob_dict(
                     token_id,
                     TokenLogprobs(logprob, rank, chunk.top_ids[j], chunk.top_logprobs[j]),
+                    state.request.sampling_params.detokenize,
                 )
             )
 
-    def _logprob_dict(self, token_id: int, entry: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(
+        self, token_id: int, entry: TokenLogprobs, detokenize: bool = True
+    ) -> dict[int, Logprob]:
+        """Token id → `Logprob`; `decoded_token` is None with `detokenize=False` (as in
+        vLLM), which saves a tokenizer call per candidate when only the numbers count."""
+        tokenizer = self.tokenizer if detokenize else None
         ids = [token_id, *entry.top_ids]
         values = [entry.logprob, *entry.top_logprobs]
         ranks = [entry.rank, *range(1, len(entry.top_ids) + 1)]
         out: dict[int, Logprob] = {}
         for tid, value, rank in zip(ids, values, ranks, strict=True):
             if tid not in out:
-                decoded = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+                decoded = tokenizer.decode([tid]) if tokenizer is not None else None
                 out[tid] = Logprob(value, rank, decoded)
         return out
 

@@ -22,8 +22,9 @@ SampleLogprobs = list[dict[int, Logprob]]
 """Per generated position: token id → Logprob, holding the sampled token and the top-k."""
 
 PromptLogprobs = list[dict[int, Logprob] | None]
-"""Per prompt position: None for the first token, then token id → Logprob holding the
-prompt token (with its rank among all tokens) and the top-k at that position."""
+"""Per prompt position: None for the first token (and for those before
+`SamplingParams.prompt_logprobs_start`), then token id → Logprob holding the prompt token
+(with its rank among all tokens) and the top-k at that position."""
 
 
 @dataclass

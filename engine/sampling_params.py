@@ -60,12 +60,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Number of most likely tokens whose log probabilities are returned at each prompt
     position, in addition to the prompt token itself; None returns none. Such a request
-    computes its whole prompt, bypassing the prefix cache."""
+    computes its whole prompt, bypassing the prefix cache (but see `prompt_logprobs_start`)."""
+    prompt_logprobs_start: int = 0
+    """With `prompt_logprobs`: the first prompt position scored; the earlier ones come back
+    None. The prompt's first `prompt_logprobs_start - 1` tokens may then come from the prefix
+    cache, so requests that share a context and score only what follows it (the continuations
+    of a multiple-choice question) compute that context once. 0 or 1 scores every position.
+    batchlm's own; vLLM has no such field."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens (k >= 1); -1 keeps the last max_model_len; None
     keeps the whole prompt (which must then fit max_model_len)."""
     detokenize: bool = True
-    """Turn output token ids into text."""
+    """Turn output token ids into text (and logprobs' candidates into `decoded_token`)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
     spaces_between_special_tokens: bool = True
@@ -214,6 +220,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, low=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        _check_int("prompt_logprobs_start", self.prompt_logprobs_start, low=0)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
             if self.truncate_prompt_tokens == 0:

@@ -3,9 +3,10 @@
 Batches from several callers (the coroutines of a Ray actor, threads of a worker) are in
 the engine at the same time, so it stays full between them:
 
-- generate / chat: each batch's valid rows are queued (`submit_rows`) as soon as it
-  arrives, and one loop runs engine steps; a batch is answered when its last request
-  finishes, while the requests of later batches keep running.
+- generate / chat / loglikelihood: each batch's valid rows are queued (`submit_rows`) as
+  soon as it arrives, and one loop runs engine steps (`row_stream.GenerationStream`); a
+  batch is answered when its last request finishes, while the requests of later batches
+  keep running.
 - embed / score / classify: batches waiting while the engine is busy are run together in
   one call (same schema), so the pooling runner packs them into full token budgets.
 
@@ -39,7 +40,7 @@ from batchlm.engine.gc_freeze import freeze_gc_heap
 from . import fault_injection
 from .row_stream import GenerationStream
 from .rows import (
-    GENERATION_TASKS,
+    QUEUED_TASKS,
     ModelInfo,
     RowContractError,
     RowSpec,
@@ -105,9 +106,10 @@ class EngineLoop:
         # caller (an actor's constructor) rather than the first batch.
         self.llm = self._build()
         self.info = info or ModelInfo.from_llm(self.llm)
-        self._is_generation = spec.task in GENERATION_TASKS
+        self._is_generation = spec.task in QUEUED_TASKS
         self._stream = GenerationStream(self.llm, spec, self.info) if self._is_generation else None
-        """Generation: the batches with requests in the engine (keyed by their jobs)."""
+        """Queued tasks (generate, chat, loglikelihood): the batches with requests in the
+        engine (keyed by their jobs)."""
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._retry: list[_Job] = []
         self._dead: BaseException | None = None

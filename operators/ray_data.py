@@ -5,6 +5,9 @@ coroutine: Ray Data hands an actor several batches at once (up to four per task,
 `max_tasks_per_actor` tasks), each batch queues its rows into the one engine
 (`EngineLoop`) and is answered as soon as its own rows are done, so the engine stays full.
 
+Rows may carry their own sampling params (a `sampling_params` struct or JSON column, merged
+over the config's: see `rows.py`).
+
 Failures: a row the engine refuses gets its message in `error` and the job goes on. Any
 other engine exception rebuilds the engine inside the actor and retries the batches that
 were in it; an actor process that dies is restarted by Ray and its task retried. Both are
@@ -175,8 +178,23 @@ class ClassifyActor(EngineActor):
     task = "classify"
 
 
+class LoglikelihoodActor(EngineActor):
+    """Log-likelihoods of continuation after context (`logprob`, `is_greedy`, token counts);
+    rows sharing a context compute it once (prefix cache)."""
+
+    task = "loglikelihood"
+
+
 _ACTORS: dict[str, type[EngineActor]] = {
-    cls.task: cls for cls in (GenerateActor, ChatActor, EmbedActor, ScoreActor, ClassifyActor)
+    cls.task: cls
+    for cls in (
+        GenerateActor,
+        ChatActor,
+        EmbedActor,
+        ScoreActor,
+        ClassifyActor,
+        LoglikelihoodActor,
+    )
 }
 
 
@@ -345,6 +363,7 @@ __all__ = [
     "EmbedActor",
     "ScoreActor",
     "ClassifyActor",
+    "LoglikelihoodActor",
     "EngineFailedError",
     "Processor",
     "actor_class",

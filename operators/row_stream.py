@@ -1,9 +1,9 @@
 """Table batches through one engine as a stream: rows enter as the engine has room, several
 batches in flight, and results come out in input order.
 
-- generate / chat: `GenerationStream` queues each batch's valid rows (`submit_rows`) and
-  runs engine steps; a batch is finished when its last request is, while the requests of
-  the batches after it keep the engine full. `EngineLoop` drives one on its thread for many
+- generate / chat / loglikelihood: `GenerationStream` queues each batch's valid rows
+  (`submit_rows`) and runs engine steps; a batch is finished when its last request is,
+  while the requests of the batches after it keep the engine full. `EngineLoop` drives one on its thread for many
   callers; `stream_tables` drives one in the caller's thread (the local runner, Spark).
 - embed / score / classify: consecutive batches of one schema are run as one engine call,
   so the pooling runner packs them into full token budgets.
@@ -24,7 +24,7 @@ import pyarrow as pa
 from batchlm.engine.gc_freeze import freeze_gc_heap
 
 from .rows import (
-    GENERATION_TASKS,
+    QUEUED_TASKS,
     ModelInfo,
     PendingRows,
     RowSpec,
@@ -75,8 +75,10 @@ class GenerationStream:
     """
 
     def __init__(self, llm: Any, spec: RowSpec, info: ModelInfo) -> None:
-        if spec.task not in GENERATION_TASKS:
-            raise ValueError(f"GenerationStream runs generate / chat, not task={spec.task!r}")
+        if spec.task not in QUEUED_TASKS:
+            raise ValueError(
+                f"GenerationStream runs {' / '.join(QUEUED_TASKS)}, not task={spec.task!r}"
+            )
         self.llm = llm
         self.spec = spec
         self.info = info
@@ -154,7 +156,7 @@ def stream_tables(
     early) drops the requests still in the engine.
     """
     info = info or ModelInfo.from_llm(llm)
-    if spec.task in GENERATION_TASKS:
+    if spec.task in QUEUED_TASKS:
         yield from _generation_stream(llm, spec, iter(batches), info, rows_in_flight)
     else:
         yield from _pooling_stream(llm, spec, iter(batches), info)

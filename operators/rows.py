@@ -3,13 +3,17 @@
 One module shared by the Ray Data and Spark front ends and the local pipeline runner.
 
 - Inputs: a prompt column (`generate`), a chat-messages column (`chat`), a text column
-  (`embed`, `classify`) or text / text-pair columns (`score`). Every other column passes
-  through unchanged.
+  (`embed`, `classify`), text / text-pair columns (`score`) or context / continuation
+  columns (`loglikelihood`). Generate / chat rows may carry their own sampling params (the
+  params column, merged over the job's). Every other column passes through unchanged.
 - Outputs have a fixed schema declared before any row runs (`output_fields`):
   generate / chat → `generated_text`, `finish_reason`, `num_input_tokens`,
-  `num_output_tokens`; embed → `embedding` (`fixed_size_list<float32>[d]`); score → `score`;
-  classify → `probs` (`fixed_size_list<float32>[num_labels]`), `label`. Always `error`:
-  null on success, the message when that row failed.
+  `num_output_tokens`, then the token-id and logprob columns switched on
+  (`logprob_columns.py`); embed → `embedding` (`fixed_size_list<float32>[d]`); score →
+  `score`; classify → `probs` (`fixed_size_list<float32>[num_labels]`), `label`;
+  loglikelihood → `logprob`, `is_greedy`, `num_tokens`, `num_input_tokens`,
+  `num_cached_tokens` (`loglikelihood.py`). Always `error`: null on success, the message
+  when that row failed.
 - A row the engine refuses (empty, over-long, null, wrong type, invalid UTF-8) gets its
   message in `error`; the other rows of the batch still run. Errors that are not about one
   row's input (device failures, bugs) propagate so that the front end can retry or fail.
@@ -21,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -35,8 +38,34 @@ from batchlm.engine.errors import InvalidParamError, InvalidPromptError
 from batchlm.engine.pooling_params import PoolingParams
 from batchlm.engine.sampling_params import SamplingParams
 
-TASKS = ("generate", "chat", "embed", "score", "classify")
+from .loglikelihood import (
+    LOGLIKELIHOOD_FIELDS,
+    continuation_score,
+    encode_pairs,
+    loglikelihood_arrays,
+    loglikelihood_params,
+)
+from .logprob_columns import (
+    OUTPUT_COLUMN_TYPES,
+    PARAMS_NEEDED,
+    output_column_arrays,
+    output_column_fields,
+)
+from .model_info import ModelInfo
+from .row_cells import (
+    column_values,
+    messages_cell,
+    prompt_cell,
+    text_cell,
+    text_or_token_ids_cell,
+)
+from .row_params import RowSamplingParams, build_params, params_fields
+
+TASKS = ("generate", "chat", "embed", "score", "classify", "loglikelihood")
 GENERATION_TASKS = ("generate", "chat")
+POOLING_TASKS = ("embed", "score", "classify")
+QUEUED_TASKS = ("generate", "chat", "loglikelihood")
+"""Tasks whose requests are queued in the generation engine and finish step by step."""
 ERROR_COLUMN = "error"
 
 # Errors that concern one row's input: they become that row's `error` cell.
@@ -56,7 +85,7 @@ class RowSpec:
     """What to do with each row: the task, where its inputs are, and the request params."""
 
     task: str
-    """One of `generate`, `chat`, `embed`, `score`, `classify`."""
+    """One of `generate`, `chat`, `embed`, `score`, `classify`, `loglikelihood`."""
     prompt_column: str = "prompt"
     """`generate`: the prompt text (or a list of token ids)."""
     messages_column: str = "messages"
@@ -77,6 +106,26 @@ class RowSpec:
     """`chat`: a template (text or path) overriding the model's."""
     chat_template_kwargs: Mapping[str, Any] | None = None
     """`chat`: extra variables for the template."""
+    context_column: str = "context"
+    """`loglikelihood`: the text (or token ids) the continuation follows."""
+    continuation_column: str = "continuation"
+    """`loglikelihood`: the text (or token ids) whose log probability is summed."""
+    sampling_params_column: str = "sampling_params"
+    """`generate` / `chat`: an optional column of each row's own `SamplingParams` fields (a
+    struct, or a JSON object string), merged over `sampling_params`. A null cell, or a table
+    without the column, takes the job's; unknown keys and bad values fail that row alone."""
+    output_token_ids: bool = False
+    """`generate` / `chat`: add the column `output_token_ids` (`list<int32>`)."""
+    output_logprobs: bool = False
+    """`generate` / `chat`: add `output_logprobs`, per generated token its logprob and the top
+    `sampling_params.logprobs` alternatives (`list<list<struct<token_id, logprob>>>`)."""
+    cumulative_logprob: bool = False
+    """`generate` / `chat`: add `cumulative_logprob` (`float64`), the sum of the generated
+    tokens' logprobs."""
+    prompt_logprobs: bool = False
+    """`generate` / `chat`: add `prompt_logprobs`, per prompt token its logprob and the top
+    `sampling_params.prompt_logprobs` alternatives (null for the first token). Such requests
+    compute their whole prompt (no prefix cache)."""
     _sampling: SamplingParams | None = field(default=None, init=False, repr=False, compare=False)
     _pooling: PoolingParams | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -92,17 +141,26 @@ class RowSpec:
                 )
             object.__setattr__(self, "_sampling", params)
         elif self.sampling_params:
+            hint = "use pooling_params" if self.task in POOLING_TASKS else "it sets its own"
             raise RowContractError(
-                f"sampling_params apply to generate / chat, not task={self.task!r}; "
-                "use pooling_params"
+                f"sampling_params apply to generate / chat, not task={self.task!r}; {hint}"
             )
-        if self.task not in GENERATION_TASKS:
+        if self.task in POOLING_TASKS:
             pooling = _build_params(PoolingParams, self.pooling_params, "pooling_params")
             object.__setattr__(self, "_pooling", pooling)
         elif self.pooling_params:
             raise RowContractError(
                 f"pooling_params apply to embed / score / classify, not task={self.task!r}"
             )
+        for name in OUTPUT_COLUMN_TYPES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise RowContractError(f"{name}={value!r} must be true or false")
+            if value and self.task not in GENERATION_TASKS:
+                raise RowContractError(
+                    f"{name} adds a column to generate / chat rows, not to task={self.task!r}; "
+                    "drop it"
+                )
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -113,12 +171,19 @@ class RowSpec:
             "embed": ("text",),
             "classify": ("text",),
             "score": ("text", "text_pair"),
+            "loglikelihood": ("context", "continuation"),
         }[self.task]
 
     @property
     def input_columns(self) -> tuple[str, ...]:
         """The columns this task reads."""
         return tuple(getattr(self, f"{role}_column") for role in self.input_roles)
+
+    @property
+    def output_columns(self) -> tuple[str, ...]:
+        """The optional generation columns switched on (`output_token_ids`, ...), in the order
+        they are written."""
+        return tuple(name for name in OUTPUT_COLUMN_TYPES if getattr(self, name))
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -148,53 +213,14 @@ def stable_hash(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def unknown_keys(unknown: Sequence[str], valid: Sequence[str]) -> str:
-    """`'k' (did you mean 'key'?), ...; valid keys: ...` for keys that are not in `valid`."""
-    hints = []
-    for k in unknown:
-        close = difflib.get_close_matches(str(k), valid, n=1)
-        hints.append(f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k))
-    return f"{', '.join(hints)}; valid keys: {', '.join(sorted(valid))}"
-
-
 def _build_params(cls: type, values: Mapping[str, Any] | None, name: str) -> Any:
-    values = dict(values or {})
-    # The constructor's own arguments, not derived fields (`_stop_strs`, token ids of
-    # `bad_words`).
-    known = [f.name for f in fields(cls) if f.init and not f.name.startswith("_")]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise RowContractError(f"{name} has unknown key(s) {unknown_keys(unknown, known)}")
     try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise RowContractError(f"{name}: {e}") from e
+        return build_params(cls, values, name)
+    except InvalidParamError as e:
+        raise RowContractError(str(e)) from e.__cause__
 
 
 # ---- schema -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the output schema needs to know about the model, read from its config."""
-
-    hidden_size: int
-    num_labels: int | None = None
-    id2label: Mapping[int, str] | None = None
-
-    @classmethod
-    def from_llm(cls, llm: Any) -> ModelInfo:
-        return cls.from_hf_config(llm.llm_engine.config.model.hf_config)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> ModelInfo:
-        id2label = getattr(hf_config, "id2label", None)
-        num_labels = getattr(hf_config, "num_labels", None)
-        return cls(
-            hidden_size=int(hf_config.hidden_size),
-            num_labels=int(num_labels) if num_labels is not None else None,
-            id2label={int(k): str(v) for k, v in id2label.items()} if id2label else None,
-        )
 
 
 def embedding_dim(spec: RowSpec, info: ModelInfo) -> int:
@@ -210,7 +236,10 @@ def output_fields(spec: RowSpec, info: ModelInfo) -> list[pa.Field]:
             pa.field("finish_reason", pa.string()),
             pa.field("num_input_tokens", pa.int32()),
             pa.field("num_output_tokens", pa.int32()),
+            *output_column_fields(spec.output_columns),
         ]
+    elif spec.task == "loglikelihood":
+        out = list(LOGLIKELIHOOD_FIELDS)
     elif spec.task == "embed":
         out = [pa.field("embedding", pa.list_(pa.float32(), embedding_dim(spec, info)))]
     elif spec.task == "score":
@@ -249,106 +278,18 @@ def check_columns(spec: RowSpec, names: Sequence[str]) -> None:
 # ---- row inputs -------------------------------------------------------------------------
 
 
-def _text_cell(value: Any, column: str) -> str:
-    """A text cell, or a ValueError naming what is wrong with it."""
-    if value is None:
-        raise InvalidPromptError(f"column {column!r} is null in this row")
-    if isinstance(value, _InvalidUtf8):
-        raise InvalidPromptError(
-            f"column {column!r} holds bytes that are not valid UTF-8: {value.raw!r:.80}"
-        )
-    if not isinstance(value, str):
-        raise InvalidPromptError(
-            f"column {column!r} holds a {type(value).__name__}, not a string: {value!r:.80}"
-        )
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidPromptError(
-            f"column {column!r} has a character that is not valid UTF-8 (a lone surrogate "
-            f"{value[e.start]!r} at offset {e.start}); clean the text"
-        ) from None
-    return value
-
-
-def _prompt_cell(value: Any, column: str) -> Any:
-    if isinstance(value, (list, tuple, np.ndarray)):
-        ids = [int(t) for t in value] if all(_is_int(t) for t in value) else None
-        if ids is None:
-            raise InvalidPromptError(f"column {column!r} holds a list that is not token ids")
-        return {"prompt_token_ids": ids}
-    return _text_cell(value, column)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _messages_cell(value: Any, column: str) -> list[dict[str, Any]]:
-    if value is None:
-        raise InvalidPromptError(f"column {column!r} is null in this row")
-    if isinstance(value, _InvalidUtf8):
-        raise InvalidPromptError(
-            f"column {column!r} holds text that is not valid UTF-8: {value.raw!r:.80}"
-        )
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidPromptError(
-                f"column {column!r} is a string but not JSON messages ({e.msg} at {e.pos})"
-            ) from None
-    if not isinstance(value, (list, tuple)):
-        raise InvalidPromptError(
-            f"column {column!r} must hold a list of {{role, content}} messages, "
-            f"got {type(value).__name__}"
-        )
-    # Arrow structs bring every field of the struct type; unset ones come back as None.
-    return [
-        {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value
-    ]
-
-
-class _InvalidUtf8:
-    """A cell whose bytes are not UTF-8 (Arrow does not check this on read)."""
-
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
-
-
-def _column_values(column: pa.ChunkedArray) -> list[Any]:
-    try:
-        return column.to_pylist()
-    except UnicodeDecodeError:
-        pass
-    out: list[Any] = []
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        for value in column.cast(pa.large_binary()).to_pylist():
-            try:
-                out.append(None if value is None else value.decode("utf-8"))
-            except UnicodeDecodeError:
-                out.append(_InvalidUtf8(value))
-        return out
-    # Nested (chat messages as list<struct>), dictionary-encoded, ...: cell by cell.
-    for chunk in column.chunks:
-        for i in range(len(chunk)):
-            try:
-                out.append(chunk[i].as_py())
-            except UnicodeDecodeError as e:
-                out.append(_InvalidUtf8(e.object[max(0, e.start - 20) : e.end + 20]))
-    return out
-
-
 def _row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | None]]:
     """Per row: the engine input (None where the row is already an error) and its error."""
-    columns = [_column_values(table.column(c)) for c in spec.input_columns]
+    columns = [column_values(table.column(c)) for c in spec.input_columns]
     parse: Callable[..., Any]
     if spec.task == "generate":
-        parse = _prompt_cell
+        parse = prompt_cell
     elif spec.task == "chat":
-        parse = _messages_cell
+        parse = messages_cell
+    elif spec.task == "loglikelihood":
+        parse = text_or_token_ids_cell
     else:
-        parse = _text_cell
+        parse = text_cell
     inputs: list[Any] = []
     errors: list[str | None] = []
     for values in zip(*columns, strict=True):
@@ -372,31 +313,42 @@ class PendingRows:
     table: pa.Table
     request_ids: list[str | None]
     errors: list[str | None]
+    context_lens: list[int | None] = field(default_factory=list)
+    """`loglikelihood`: each row's context tokens (its continuation follows them)."""
 
 
 def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
-    """Queues every valid row of a generate / chat batch; invalid rows get their error.
+    """Queues every valid row of a generate / chat / loglikelihood batch; invalid rows get
+    their error.
 
     Nothing runs until the caller drives the engine (`llm.wait_for_completion()`), so
     several batches can be queued together and keep the engine full.
     """
-    if spec.task not in GENERATION_TASKS:
-        raise RowContractError(f"submit_rows is for generate / chat, not {spec.task!r}")
+    if spec.task not in QUEUED_TASKS:
+        raise RowContractError(
+            f"submit_rows is for generate / chat / loglikelihood, not {spec.task!r}"
+        )
     check_columns(spec, table.column_names)
     inputs, errors = _row_inputs(spec, table)
+    context_lens: list[int | None] = []
+    if spec.task == "loglikelihood":
+        inputs, params, context_lens = _loglikelihood_requests(llm, inputs, errors)
+    else:
+        params = _sampling_per_row(llm, spec, table, errors)
     ok = [i for i, e in enumerate(errors) if e is None]
     request_ids: list[str | None] = [None] * len(inputs)
 
     def enqueue(rows: list[int]) -> list[str]:
         items = [inputs[i] for i in rows]
-        if spec.task == "generate":
-            return llm.enqueue(items, spec.sampling)
-        return llm.enqueue_chat(
-            items,
-            spec.sampling,
-            chat_template=spec.chat_template,
-            chat_template_kwargs=dict(spec.chat_template_kwargs or {}) or None,
-        )
+        row_params = _one_or_each([params[i] for i in rows])
+        if spec.task == "chat":
+            return llm.enqueue_chat(
+                items,
+                row_params,
+                chat_template=spec.chat_template,
+                chat_template_kwargs=dict(spec.chat_template_kwargs or {}) or None,
+            )
+        return llm.enqueue(items, row_params)
 
     try:
         ids = enqueue(ok) if ok else []
@@ -410,32 +362,84 @@ def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
                 request_ids[i] = enqueue([i])[0]
             except ROW_ERRORS as e:
                 errors[i] = _strip_index(str(e))
-    return PendingRows(table, request_ids, errors)
+    return PendingRows(table, request_ids, errors, context_lens)
+
+
+def _sampling_per_row(
+    llm: Any, spec: RowSpec, table: pa.Table, errors: list[str | None]
+) -> list[SamplingParams | None]:
+    """Each row's params: the job's (None: the model's defaults), with the row's own cell
+    of the params column merged over them; a bad cell sets the row's error."""
+    column = spec.sampling_params_column
+    fill = {PARAMS_NEEDED[n]: 0 for n in spec.output_columns if n in PARAMS_NEEDED}
+    if column not in table.column_names and not fill:
+        return [spec.sampling] * table.num_rows
+    base = spec.sampling_params
+    if base is None:
+        base = params_fields(llm.get_default_sampling_params())
+    rows = RowSamplingParams(base, column, fill)
+    cells = (
+        column_values(table.column(column))
+        if column in table.column_names
+        else [None] * table.num_rows
+    )
+    out: list[SamplingParams | None] = []
+    for i, cell in enumerate(cells):
+        params = None
+        if errors[i] is None:
+            try:
+                params = rows.for_cell(cell)
+            except ROW_ERRORS as e:
+                errors[i] = str(e)
+        out.append(params)
+    return out
+
+
+def _loglikelihood_requests(
+    llm: Any, pairs: list[Any], errors: list[str | None]
+) -> tuple[list[Any], list[SamplingParams | None], list[int | None]]:
+    """Each valid row's prompt (context + continuation tokens), params and context length;
+    a pair that cannot be encoded sets the row's error."""
+    n = len(pairs)
+    prompts: list[Any] = [None] * n
+    params: list[SamplingParams | None] = [None] * n
+    context_lens: list[int | None] = [None] * n
+    ok = [i for i, e in enumerate(errors) if e is None]
+    encoded = encode_pairs(llm.get_tokenizer(), [pairs[i] for i in ok])
+    for i, pair in zip(ok, encoded, strict=True):
+        if isinstance(pair, Exception):
+            errors[i] = str(pair)
+            continue
+        prompts[i] = {"prompt_token_ids": pair.prompt_token_ids}
+        params[i] = loglikelihood_params(len(pair.context_ids))
+        context_lens[i] = len(pair.context_ids)
+    return prompts, params, context_lens
+
+
+def _one_or_each(params: list[SamplingParams | None]) -> Any:
+    """One object when every row has the same (None: the model's defaults), else the list."""
+    first = params[0] if params else None
+    return first if all(p is first for p in params) else params
 
 
 def finish_rows(
     spec: RowSpec, pending: PendingRows, outputs: Mapping[str, Any], info: ModelInfo
 ) -> pa.Table:
     """The batch with its output columns, from `RequestOutput`s keyed by request id."""
-    n = len(pending.request_ids)
-    text: list[str | None] = [None] * n
-    reason: list[str | None] = [None] * n
-    num_in: list[int | None] = [None] * n
-    num_out: list[int | None] = [None] * n
-    for i, rid in enumerate(pending.request_ids):
-        if rid is None:
-            continue
-        out = outputs[rid]
-        completion = out.outputs[0]
-        text[i] = completion.text
-        reason[i] = completion.finish_reason
-        num_in[i] = len(out.prompt_token_ids)
-        num_out[i] = len(completion.token_ids)
+    outs = [None if rid is None else outputs[rid] for rid in pending.request_ids]
+    if spec.task == "loglikelihood":
+        scores = [
+            None if out is None else continuation_score(out, num_context)
+            for out, num_context in zip(outs, pending.context_lens, strict=True)
+        ]
+        return _attach(pending.table, spec, info, loglikelihood_arrays(scores), pending.errors)
+    completions = [None if out is None else out.outputs[0] for out in outs]
     arrays = [
-        pa.array(text, pa.string()),
-        pa.array(reason, pa.string()),
-        pa.array(num_in, pa.int32()),
-        pa.array(num_out, pa.int32()),
+        pa.array([c and c.text for c in completions], pa.string()),
+        pa.array([c and c.finish_reason for c in completions], pa.string()),
+        pa.array([o and len(o.prompt_token_ids) for o in outs], pa.int32()),
+        pa.array([c and len(c.token_ids) for c in completions], pa.int32()),
+        *output_column_arrays(spec.output_columns, outs),
     ]
     return _attach(pending.table, spec, info, arrays, pending.errors)
 
@@ -529,7 +533,7 @@ def process_table(
     """Runs one batch through the engine: input columns plus the task's output columns."""
     check_columns(spec, table.column_names)
     info = info or ModelInfo.from_llm(llm)
-    if spec.task in GENERATION_TASKS:
+    if spec.task in QUEUED_TASKS:
         pending = submit_rows(llm, spec, table)
         outputs = {o.request_id: o for o in llm.wait_for_completion(use_tqdm=False)}
         return finish_rows(spec, pending, outputs, info)

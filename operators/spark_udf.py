@@ -21,6 +21,11 @@ Ray front end and the local runner.
   cannot carry metadata, so each UDF has attributes instead: `udf.embedding_dim` (embed),
   `udf.output_fields` (the Arrow fields, with `fixed_size_list` lengths) and
   `udf.input_columns` (the row-contract names of the columns it takes, in order).
+- Rows may carry their own sampling params: `map_in_arrow` reads the `sampling_params`
+  column (a struct or JSON text) when the DataFrame has it; `generate_udf` / `chat_udf` take
+  it as an optional last argument (`generate_udf(config)("prompt", "params")`).
+- Token ids and logprobs (`output_token_ids`, `output_logprobs`, `prompt_logprobs`) are
+  arrays (of arrays) of `struct<token_id: int, logprob: float>`.
 - Rows reach the engine in slices of at most `config.batch_size`; Spark's own batches are
   `spark.sql.execution.arrow.maxRecordsPerBatch` rows.
 - Two of these UDFs in one `select` run in two Python workers per task (one Arrow
@@ -81,8 +86,15 @@ def spark_type(arrow_type: pa.DataType) -> DataType:
         return T.DoubleType()
     if pa.types.is_boolean(arrow_type):
         return T.BooleanType()
-    if pa.types.is_fixed_size_list(arrow_type) or pa.types.is_list(arrow_type):
+    if pa.types.is_fixed_size_list(arrow_type):
         return T.ArrayType(spark_type(arrow_type.value_type), containsNull=False)
+    if pa.types.is_list(arrow_type):
+        value = arrow_type.value_field
+        return T.ArrayType(spark_type(value.type), containsNull=value.nullable)
+    if pa.types.is_struct(arrow_type):
+        return T.StructType(
+            [T.StructField(f.name, spark_type(f.type), nullable=f.nullable) for f in arrow_type]
+        )
     raise TypeError(f"no Spark type for Arrow type {arrow_type}")
 
 
@@ -248,12 +260,25 @@ def process_batches(
 def _series_table(names: tuple[str, ...], series: tuple[pd.Series, ...]) -> pa.Table:
     arrays = []
     for s in series:
+        if hasattr(s, "columns"):  # a struct column reaches a pandas UDF as a DataFrame
+            arrays.append(_struct_array(s))
+            continue
         try:
             arrays.append(pa.Array.from_pandas(s))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             # Mixed cells (numpy arrays of Rows, say): let the row contract judge each one.
             arrays.append(pa.array([_plain(v) for v in s], from_pandas=True))
     return pa.table(dict(zip(names, arrays, strict=True)))
+
+
+def _struct_array(frame: pd.DataFrame) -> pa.StructArray:
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    null_rows = frame.isna().all(axis=1).to_numpy()
+    return pa.StructArray.from_arrays(
+        [table.column(c).combine_chunks() for c in table.column_names],
+        names=table.column_names,
+        mask=pa.array(null_rows) if null_rows.any() else None,
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -284,18 +309,21 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
     info = config.model_info()
     fields = output_fields(config.spec, info)
     names = config.spec.input_columns
+    # generate / chat: the row's own sampling params may follow, as one more argument.
+    optional = (config.spec.sampling_params_column,) if task in ("generate", "chat") else ()
     out_names = [f.name for f in fields]
 
     def run(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
         def tables() -> Iterator[pa.Table]:
             for batch in batches:
                 series = tuple(batch) if isinstance(batch, tuple) else (batch,)
-                if len(series) != len(names):
+                if len(series) not in (len(names), len(names) + len(optional)):
+                    extra = f" and optionally {', '.join(optional)}" if optional else ""
                     raise RowContractError(
-                        f"{task}_udf takes {len(names)} column(s) ({', '.join(names)}), "
+                        f"{task}_udf takes {len(names)} column(s) ({', '.join(names)}{extra}), "
                         f"got {len(series)}"
                     )
-                yield _series_table(names, series)
+                yield _series_table((*names, *optional)[: len(series)], series)
 
         for out in process_batches(config, info, tables()):
             yield _to_pandas(out.select(out_names))
@@ -353,6 +381,15 @@ def classify_udf(config: OperatorConfig) -> Any:
     return _make_udf(config, "classify")
 
 
+def loglikelihood_udf(config: OperatorConfig) -> Any:
+    """A UDF of (context, continuation) columns → struct<logprob: double, is_greedy: boolean,
+    num_tokens, num_input_tokens, num_cached_tokens: int, error>.
+
+    Example: `df.withColumn("out", loglikelihood_udf(config)("question", "choice"))`.
+    """
+    return _make_udf(config, "loglikelihood")
+
+
 # ---- whole DataFrames ---------------------------------------------------------------------
 
 
@@ -390,6 +427,7 @@ __all__ = [
     "embed_udf",
     "score_udf",
     "classify_udf",
+    "loglikelihood_udf",
     "map_in_arrow",
     "spark_type",
     "spark_field",

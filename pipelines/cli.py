@@ -21,8 +21,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DESCRIPTION = """\
 batchlm runs offline LLM inference over files: it reads rows from Parquet, JSONL or CSV,
-runs a task (generate, chat, embed, score, classify) with a local model, and writes the
-rows with their results to a folder of Parquet files, one per input file.
+runs a task (generate, chat, embed, score, classify, loglikelihood) with a local model, and
+writes the rows with their results to a folder of Parquet files, one per input file.
 
 A job is a YAML file. The smallest one:
 
@@ -43,14 +43,18 @@ pick another output folder, or pass --overwrite to start over.
 
 Job keys (see the README's "Jobs" section):
   input               path (file, folder or glob), format (auto|parquet|jsonl|csv),
-                      columns (e.g. {prompt: question}), rows_per_shard
-  task                generate | chat | embed | score | classify
+                      columns (e.g. {prompt: question}; roles: prompt, messages, text,
+                      text_pair, context, continuation, sampling_params), rows_per_shard
+  task                generate | chat | embed | score | classify | loglikelihood
   model               a model folder, a .gguf file, or a bundled name
   engine              LLM(...) options: dtype, max_model_len, max_num_seqs, ...
   sampling_params     generate / chat: temperature, max_tokens, top_p, stop, seed, ...
+                      (a row's own, in the sampling_params column, are merged over them)
   pooling_params      embed / score / classify: normalize, dimensions, ...
   output              path (a folder), compression
   runner              local | ray | spark
+  output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs
+                      generate / chat: true adds that column
   batch_size, concurrency, num_gpus, max_batch_retries, truncate_prompt_tokens,
   chat_template, chat_template_kwargs
 """

@@ -22,7 +22,13 @@ import pyarrow.parquet as pq
 
 from batchlm.operators import fault_injection
 from batchlm.operators.config import OperatorConfig
-from batchlm.operators.rows import ModelInfo, RowContractError, output_schema
+from batchlm.operators.rows import (
+    GENERATION_TASKS,
+    ModelInfo,
+    RowContractError,
+    RowSpec,
+    output_schema,
+)
 
 from .output import OutputFolder, job_manifest
 from .progress import JobSummary, Progress, metric_values
@@ -34,6 +40,9 @@ from .spec import JobSpec, JobSpecError
 # OperatorConfig fields that change how the work is spread, never its results: changing them
 # between a crashed run and its resumption is allowed.
 _PLACEMENT_DEFAULTS = {"concurrency": 1, "num_gpus": None, "max_batch_retries": 2}
+# The per-row params column is optional: absent under its default name, the job's params
+# apply to every row; a name the job maps it to must exist.
+_PARAMS_COLUMN = RowSpec("generate").sampling_params_column
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,12 @@ def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Sch
                 f"{file.path!r} has columns {schema.names}; set input.columns.{role} to the "
                 "column that holds it"
             )
+    column = spec.sampling_params_column
+    if column != _PARAMS_COLUMN and spec.task in GENERATION_TASKS and column not in schema.names:
+        raise JobSpecError(
+            f"input.columns.sampling_params names column {column!r}, but {file.path!r} has "
+            f"columns {schema.names}; map it to the column of per-row params, or drop it"
+        )
     try:
         output_schema(spec, ModelInfo(1, 1), schema)
     except RowContractError as e:
@@ -159,6 +174,7 @@ def run_job(
             seconds=bar.seconds,
             prompt_tokens=bar.prompt_tokens,
             output_tokens=bar.output_tokens,
+            cached_prompt_tokens=bar.cached_prompt_tokens,
             engine_metrics=metrics,
         )
     finally:

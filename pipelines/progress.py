@@ -29,6 +29,8 @@ class Progress:
         self.failed = 0
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.cached_prompt_tokens: int | None = None
+        """Prompt tokens the prefix cache served, where the task reports them."""
         self.start = time.perf_counter()
         self._bar = tqdm(
             total=total_rows,
@@ -54,7 +56,11 @@ class Progress:
             self.failed += table.num_rows - table.column(ERROR_COLUMN).null_count
         if "num_output_tokens" in table.column_names:
             self.output_tokens += _sum(table.column("num_output_tokens"))
+        if "num_input_tokens" in table.column_names:
             self.prompt_tokens += _sum(table.column("num_input_tokens"))
+        if "num_cached_tokens" in table.column_names:
+            cached = _sum(table.column("num_cached_tokens"))
+            self.cached_prompt_tokens = (self.cached_prompt_tokens or 0) + cached
         postfix = []
         if self.output_tokens:
             postfix.append(f"{self.output_tokens / max(self.seconds, 1e-9):.1f} tok/s")
@@ -87,6 +93,16 @@ class JobSummary:
     prompt_tokens: int
     output_tokens: int
     engine_metrics: dict[str, float] | None = None
+    cached_prompt_tokens: int | None = None
+    """Of `prompt_tokens`, those the prefix cache served (the rest were computed); None where
+    the task does not report them (only `loglikelihood` does)."""
+
+    @property
+    def computed_prompt_tokens(self) -> int | None:
+        """Prompt tokens the engine computed; None where the task does not report them."""
+        if self.cached_prompt_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_prompt_tokens
 
     def format(self) -> str:
         """The end-of-job report: one `label  value` line each."""
@@ -105,6 +121,15 @@ class JobSummary:
             if self.output_tokens:
                 rate += f", {self.output_tokens / self.seconds:.1f} generated tok/s"
             rows.append(("throughput", rate))
+        if self.computed_prompt_tokens is not None:
+            ratio = self.computed_prompt_tokens / max(self.prompt_tokens, 1)
+            rows.append(
+                (
+                    "prompt tokens",
+                    f"{self.prompt_tokens} given, {self.computed_prompt_tokens} computed "
+                    f"({ratio:.1%}; {self.cached_prompt_tokens} from the prefix cache)",
+                )
+            )
         for name, label in _SUMMARY_METRICS.items():
             if self.engine_metrics and name in self.engine_metrics:
                 rows.append((label, f"{self.engine_metrics[name]:.0f}"))

@@ -34,7 +34,8 @@ from typing import Any, Union
 import yaml
 
 from batchlm.operators.config import OperatorConfig
-from batchlm.operators.rows import TASKS, RowContractError, RowSpec, unknown_keys
+from batchlm.operators.row_params import unknown_keys
+from batchlm.operators.rows import TASKS, RowContractError, RowSpec
 
 RUNNERS = ("local", "ray", "spark")
 FORMATS = ("auto", "parquet", "jsonl", "csv")

@@ -104,6 +104,17 @@ def check_spark_embed(stdout: str) -> None:
     assert len(first) == 1 and len(first[0].split(", ")) == 4
 
 
+def check_lm_eval_backend(stdout: str) -> None:
+    (acc,) = re.findall(r"^acc: (\d\.\d+)  acc_norm: (\d\.\d+)$", stdout, flags=re.MULTILINE)
+    assert all(0 <= float(a) <= 1 for a in acc)
+    picks = re.findall(r"^'.+\?' -> '(.+)' \(answer '(.+)'\) \[(.+)\]$", stdout, re.M)
+    assert len(picks) == 6 and all(len(lps.split(", ")) == 4 for _, _, lps in picks)
+    right = sum(picked == answer for picked, answer, _ in picks)
+    assert float(acc[0]) == pytest.approx(right / 6, abs=1e-3)
+
+
+CLUSTERS = ("ray", "pyspark")
+"""The front ends whose examples start a local cluster and take `--output`."""
 CHECKS: dict[str, tuple[str | None, Callable[[str], None]]] = {
     # name: (the package a front end needs, or None; what its output must show)
     "basic": (None, check_basic),
@@ -116,6 +127,7 @@ CHECKS: dict[str, tuple[str | None, Callable[[str], None]]] = {
     "ray_embed": ("ray", check_ray_embed),
     "spark_generate": ("pyspark", check_generate_rows),
     "spark_embed": ("pyspark", check_spark_embed),
+    "lm_eval_backend": ("lm_eval", check_lm_eval_backend),
 }
 
 
@@ -129,9 +141,15 @@ def missing(name: str) -> str | None:
     return None
 
 
+def _cluster(name: str) -> str | None:
+    """The local cluster an example starts (`ray`, `pyspark`), or None."""
+    package = CHECKS[name][0]
+    return package if package in CLUSTERS else None
+
+
 def run_example(name: str, folder: Path) -> subprocess.CompletedProcess:
     args = [sys.executable, str(EXAMPLES / f"{name}.py")]
-    if CHECKS[name][0]:
+    if _cluster(name):
         args += ["--output", str(folder / "out")]
     # Two examples run side by side: one thread each, so that they do not spin against each
     # other on a small machine.
@@ -155,12 +173,12 @@ def example_runs(request, smollm2_dir, tmp_path_factory) -> Iterator[dict[str, F
     lanes = [ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)]
     runs: dict[str, Future] = {}
     others = 0
-    for package in ("ray", "pyspark", None):
-        for name in (n for n in selected if CHECKS[n][0] == package):
-            if package is None:
+    for cluster in (*CLUSTERS, None):
+        for name in (n for n in selected if _cluster(n) == cluster):
+            if cluster is None:
                 lane, others = lanes[others % 2], others + 1
             else:
-                lane = lanes[package == "pyspark"]
+                lane = lanes[cluster == "pyspark"]
             runs[name] = lane.submit(run_example, name, tmp_path_factory.mktemp(name))
     yield runs
     for lane in lanes:

@@ -226,12 +226,16 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens.
 
-        At least one token is always left to compute, so that the step produces logits.
+        At least one token is always left to compute, so that the step produces logits, and
+        at most `request.max_cached_tokens` come from the cache.
         """
-        if not self._caches(request) or request.skip_prefix_cache:
+        if not self._caches(request) or request.max_cached_tokens == 0:
             return ComputedBlocks([], 0)
         self._update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        limit = request.num_tokens - 1
+        if request.max_cached_tokens is not None:
+            limit = min(limit, request.max_cached_tokens)
+        max_hit_blocks = limit // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)

@@ -61,15 +61,17 @@ class Request:
     """Root of this request's block-hash chain. None shares the global prefix cache; a
     private value limits sharing to requests with the same salt (the n samples of one prompt
     when prefix caching is off)."""
-    skip_prefix_cache: bool = False
-    """Compute every prompt token even when cached (prompt logprobs need their logits).
-    Always set for requests that ask for `prompt_logprobs`."""
+    max_cached_tokens: int | None = None
+    """Most prompt tokens the prefix cache may serve (None: any). Prompt logprobs need the
+    logits of the position before each scored token, so a request that asks for them reuses
+    at most the `prompt_logprobs_start - 1` tokens before the first such position (none when
+    it scores the whole prompt); set from its sampling params."""
     metrics: RequestMetrics | None = None
     """Timestamps, kept by the engine when it collects statistics (never by the scheduler)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
-            self.skip_prefix_cache = True
+            self.max_cached_tokens = max(self.sampling_params.prompt_logprobs_start - 1, 0)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

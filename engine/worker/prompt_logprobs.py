@@ -3,7 +3,8 @@ them from the raw logits in bounded slices, and splitting the host copies into o
 request.
 
 The logits at position p score token p + 1, so a prefill chunk `[start, end)` scores the
-prompt tokens `start + 1 .. min(end, num_prompt_tokens - 1)`.
+prompt tokens `start + 1 .. min(end, num_prompt_tokens - 1)`, less those before the request's
+`prompt_logprobs_start`.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ def prompt_logprobs_rows(reqs: list[ScheduledRequest], qsl: np.ndarray) -> Promp
         if k is None:
             continue
         end = min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1)
-        n = end - r.start_pos
+        # The position whose logits score the first wanted token (position >= 1).
+        first = max(r.start_pos, r.sampling_params.prompt_logprobs_start - 1)
+        n = end - first
         if n <= 0:
             continue
-        jobs.append(PromptLogprobsJob(r.request_id, r.start_pos + 1, n, k))
-        rows.append(qsl[i] + np.arange(n))
-        targets.append(r.prompt_token_ids[r.start_pos + 1 : end + 1])
+        jobs.append(PromptLogprobsJob(r.request_id, first + 1, n, k))
+        rows.append(qsl[i] + (first - r.start_pos) + np.arange(n))
+        targets.append(r.prompt_token_ids[first + 1 : end + 1])
     if not jobs:
         return PromptLogprobsRows([], np.zeros(0, np.int64), np.zeros(0, np.int64))
     flat_targets = np.fromiter((t for ts in targets for t in ts), np.int64)

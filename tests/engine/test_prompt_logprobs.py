@@ -112,3 +112,66 @@ def test_prompt_logprobs_survive_preemption(path):
     assert llm.llm_engine.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         check(path, prompt, out.prompt_logprobs, 2)
+
+
+def test_prompt_logprobs_start_scores_the_tail_and_reuses_the_cached_head(path):
+    """Four prompts sharing a 40-token head, scored from position 40 on: the head's blocks
+    come from the prefix cache (in the same step as the first prompt computes them), the
+    scored positions equal HF's, and the earlier ones are None."""
+    llm = LLM(path, max_model_len=128, enable_prefix_caching=True, seed=0)
+    tokenizer = llm.get_tokenizer()
+    head = make_prompts(tokenizer, [40])[0]
+    tails = make_prompts(tokenizer, [3, 5, 1, 7])
+    prompts = [head + tail for tail in tails]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=2, prompt_logprobs_start=len(head)
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # The head's last token is computed by every request (its logits score the first
+    # tail token): 32 of its 40 tokens are whole blocks that the cache may serve.
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+    for prompt, out in zip(prompts, outs, strict=True):
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[: len(head)] == [None] * len(head)
+        ref = hf_prompt_logprobs(path, prompt)
+        for pos in range(len(head), len(prompt)):
+            entry = got[pos][prompt[pos]]
+            assert abs(entry.logprob - ref[pos - 1, prompt[pos]].item()) < ATOL
+            assert entry.rank == int((ref[pos - 1] > ref[pos - 1, prompt[pos]]).sum()) + 1
+
+
+def test_prompt_logprobs_start_past_the_prompt_scores_nothing(path):
+    llm = LLM(path, max_model_len=64, seed=0)
+    prompt = make_prompts(llm.get_tokenizer(), [5])[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=9)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out.prompt_logprobs == [None] * 5
+    with pytest.raises(ValueError, match="prompt_logprobs_start=-1 must be"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
+
+
+def test_detokenize_false_leaves_logprob_candidates_undecoded(path):
+    llm = LLM(path, max_model_len=64, seed=0)
+    prompt = make_prompts(llm.get_tokenizer(), [6])[0]
+    outs = {
+        flag: llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(
+                max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1, detokenize=flag
+            ),
+            use_tqdm=False,
+        )[0]
+        for flag in (True, False)
+    }
+    plain, raw = outs[True], outs[False]
+    assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == plain.outputs[0].token_ids
+    for a, b in zip(
+        raw.prompt_logprobs[1:] + raw.outputs[0].logprobs,
+        plain.prompt_logprobs[1:] + plain.outputs[0].logprobs,
+        strict=True,
+    ):
+        assert {t: (e.logprob, e.rank) for t, e in a.items()} == {
+            t: (e.logprob, e.rank) for t, e in b.items()
+        }
+        assert all(e.decoded_token is None for e in a.values())
+        assert all(e.decoded_token is not None for e in b.values())

@@ -27,7 +27,7 @@ from batchlm.operators.ray_data import (
     build_processor,
     map_batches_kwargs,
 )
-from batchlm.operators.rows import RowContractError, output_fields
+from batchlm.operators.rows import RowContractError, output_fields, process_table
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -62,6 +62,12 @@ def _write_parts(folder: Path, table: pa.Table, num_parts: int = 4) -> Path:
 
 def _stats(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def _release(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
 
 
 def _good_ids(ids: list[int]) -> list[int]:
@@ -346,3 +352,88 @@ def test_engine_failing_on_every_retry_fails_the_job_with_the_error(
     message = str(e.value)
     assert "failed on 2 engine(s) (max_batch_retries=1)" in message
     assert "injected engine failure" in message
+
+
+# ---- rows with their own params, logprob columns, loglikelihood -------------------------------
+
+
+def _param_rows() -> pa.Table:
+    """40 prompts; every row its own params (a struct): lengths, seeds, temperatures; one row
+    with a bad value."""
+    cells = [
+        {"max_tokens": 2 + i % 5, "temperature": 0.8 if i % 3 else 0.0, "seed": i}
+        for i in range(40)
+    ]
+    cells[17] = {"max_tokens": 0, "temperature": None, "seed": None}
+    params = pa.array(
+        cells,
+        pa.struct(
+            [("max_tokens", pa.int64()), ("temperature", pa.float64()), ("seed", pa.int64())]
+        ),
+    )
+    prompts = [f"{WORDS[i % 8]} number {i} is" for i in range(40)]
+    return pa.table({"id": pa.array(range(40), pa.int64()), "prompt": prompts, "params": params})
+
+
+def test_rows_with_their_own_params_and_logprob_columns(ray_local, tmp_path, tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    table = _param_rows()
+    source = _write_parts(tmp_path / "in", table)
+    config = ProcessorConfig.create(
+        model,
+        "generate",
+        engine_kwargs={"max_model_len": 64},
+        sampling_params={"max_tokens": 8, "logprobs": 2},
+        sampling_params_column="params",
+        output_token_ids=True,
+        output_logprobs=True,
+        batch_size=8,
+    )
+    build_processor(config)(ray_local.data.read_parquet(str(source))).write_parquet(
+        str(tmp_path / "out")
+    )
+    out = pq.read_table(tmp_path / "out").sort_by("id")
+    for f in output_fields(config.spec, config.model_info()):
+        assert out.schema.field(f.name).type == f.type, f.name
+
+    llm = LLM(model, max_model_len=64)
+    expected = process_table(llm, config.spec, table)  # the row contract in this process
+    _release(llm)
+    assert "max_tokens=0 must be >= 1" in out["error"][17].as_py()
+    assert out["error"].null_count == 39
+    for got, want in zip(out.to_pylist(), expected.to_pylist(), strict=True):
+        assert got["output_token_ids"] == want["output_token_ids"], got["id"]
+        assert got["num_output_tokens"] == 2 + got["id"] % 5 or got["error"]
+        for a, b in zip(got["output_logprobs"] or [], want["output_logprobs"] or [], strict=True):
+            assert [e["token_id"] for e in a] == [e["token_id"] for e in b]
+            assert [e["logprob"] for e in a] == pytest.approx([e["logprob"] for e in b], abs=1e-4)
+
+
+def test_loglikelihood_rows(ray_local, tmp_path, tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    contexts = [f"The {WORDS[i % 8]} stands near the {WORDS[(i + 3) % 8]}, and" for i in range(12)]
+    rows = [(c, f" {w}") for c in contexts for w in ("it rains", "a bird sings", "")]
+    table = pa.table(
+        {"id": range(len(rows)), "context": [c for c, _ in rows], "choice": [x for _, x in rows]}
+    )
+    source = _write_parts(tmp_path / "in", table, num_parts=2)
+    config = ProcessorConfig.create(
+        model,
+        "loglikelihood",
+        engine_kwargs={"max_model_len": 64},
+        continuation_column="choice",
+        batch_size=9,
+    )
+    build_processor(config)(ray_local.data.read_parquet(str(source))).write_parquet(
+        str(tmp_path / "out")
+    )
+    out = pq.read_table(tmp_path / "out").sort_by("id")
+    llm = LLM(model, max_model_len=64)
+    expected = process_table(llm, config.spec, table)
+    _release(llm)
+    for got, want in zip(out.to_pylist(), expected.to_pylist(), strict=True):
+        if want["error"]:
+            assert got["error"] == want["error"] and "continuation is empty" in got["error"]
+            continue
+        assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4), got["id"]
+        assert (got["is_greedy"], got["num_tokens"]) == (want["is_greedy"], want["num_tokens"])

@@ -6,6 +6,7 @@ each Python worker builds its engine once; a task that fails once is retried by 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from batchlm.engine import LLM, SamplingParams
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.fault_injection import SPARK_TRACE_PROPERTY
-from batchlm.operators.rows import RowContractError
+from batchlm.operators.rows import RowContractError, process_table
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_RECORDS_PER_BATCH = 32
@@ -190,6 +191,101 @@ def test_chat_udf_takes_message_structs(spark, tiny_llama, tiny_llm):
     expected = tiny_llm.chat(conversations, SamplingParams(**GEN_SAMPLING), use_tqdm=False)
     assert [r.out.generated_text for r in got[:-1]] == [e.outputs[0].text for e in expected]
     assert got[-1].out.generated_text is None and "null" in got[-1].out.error
+
+
+# ---- rows with their own params, logprob columns, loglikelihood ------------------------------
+
+PARAM_CELLS = [
+    None,
+    {"max_tokens": 2},
+    {"temperature": 0.9, "seed": 3},
+    {"max_tokens": 0},  # a bad value: this row's error
+    {"temperature": 1.1, "seed": 4, "max_tokens": 3},
+]
+PARAMS_TYPE = "struct<max_tokens:int,temperature:double,seed:int>"
+
+
+def _param_frame(spark):
+    rows = [(i, f"Item {i}: the cat saw", c) for i, c in enumerate(PARAM_CELLS)]
+    return spark.createDataFrame(rows, f"id long, prompt string, params {PARAMS_TYPE}")
+
+
+def _row_params(cell: dict | None) -> SamplingParams:
+    return SamplingParams(**{**GEN_SAMPLING, "logprobs": 0, **(cell or {})})
+
+
+def test_map_in_arrow_rows_with_own_params_and_logprob_columns(spark, tiny_llama, tiny_llm):
+    config = OperatorConfig.create(
+        tiny_llama,
+        "generate",
+        engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN},
+        sampling_params=GEN_SAMPLING,
+        sampling_params_column="params",
+        output_token_ids=True,
+        output_logprobs=True,
+        cumulative_logprob=True,
+    )
+    out = spark_udf.map_in_arrow(_param_frame(spark), config)
+    assert out.schema["output_logprobs"].dataType.simpleString() == (
+        "array<array<struct<token_id:int,logprob:float>>>"
+    )
+    rows = sorted(out.collect())
+    assert "max_tokens=0 must be >= 1" in rows[3].error
+    for i in (0, 1, 2, 4):
+        (ref,) = tiny_llm.generate([rows[i].prompt], _row_params(PARAM_CELLS[i]), use_tqdm=False)
+        c = ref.outputs[0]
+        assert rows[i].error is None and rows[i].generated_text == c.text, i
+        assert rows[i].output_token_ids == c.token_ids
+        assert [[e.token_id for e in p] for p in rows[i].output_logprobs] == [
+            list(d) for d in c.logprobs
+        ]
+        assert rows[i].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
+
+
+def test_udfs_take_json_params_and_score_loglikelihoods(spark, tiny_llama, tiny_llm):
+    gen_config = OperatorConfig.create(
+        tiny_llama,
+        "generate",
+        engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN},
+        sampling_params=GEN_SAMPLING,
+        output_token_ids=True,
+    )
+    cells = [None, '{"max_tokens": 2}', '{"temperature": 0.7, "seed": 5}', '{"tempreature": 1}']
+    df = spark.createDataFrame(
+        [(i, f"Item {i}: the dog saw", c) for i, c in enumerate(cells)],
+        "id long, prompt string, params string",
+    )
+    gen = sorted(
+        df.select(
+            "id", "prompt", spark_udf.generate_udf(gen_config)("prompt", "params").alias("o")
+        ).collect()
+    )
+    assert "did you mean 'temperature'" in gen[3].o.error
+    for row, cell in zip(gen[:3], cells[:3], strict=True):
+        params = SamplingParams(**{**GEN_SAMPLING, **json.loads(cell or "{}")})
+        (ref,) = tiny_llm.generate([row.prompt], params, use_tqdm=False)
+        assert row.o.output_token_ids == ref.outputs[0].token_ids
+
+    ll_config = OperatorConfig.create(
+        tiny_llama, "loglikelihood", engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN}
+    )
+    pairs = [("The cat sat on the", " mat"), ("The cat sat on the", " moon"), ("x", "")]
+    df = spark.createDataFrame(
+        [(i, c, x) for i, (c, x) in enumerate(pairs)], "id long, q string, a string"
+    )
+    got = sorted(
+        df.select("id", spark_udf.loglikelihood_udf(ll_config)("q", "a").alias("o")).collect()
+    )
+    expected = process_table(
+        tiny_llm,
+        ll_config.spec,
+        pa.table({"context": [c for c, _ in pairs], "continuation": [x for _, x in pairs]}),
+    ).to_pylist()
+    for row, want in zip(got, expected, strict=True):
+        assert row.o.error == want["error"]
+        if want["error"] is None:
+            assert row.o.logprob == pytest.approx(want["logprob"], abs=1e-4)
+            assert (row.o.is_greedy, row.o.num_tokens) == (want["is_greedy"], want["num_tokens"])
 
 
 # ---- pooling -------------------------------------------------------------------------------
