@@ -13,8 +13,8 @@ Example:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import IO, Any
 
 import pyarrow as pa
@@ -28,6 +28,7 @@ from batchlm.operators.rows import (
     RowContractError,
     RowSpec,
     output_schema,
+    stable_hash,
 )
 
 from .output import OutputFolder, job_manifest
@@ -58,8 +59,27 @@ class JobPlan:
 
 
 def results_fingerprint(config: OperatorConfig) -> str:
-    """`config.fingerprint()` with the placement fields (concurrency, GPUs, retries) reset."""
-    return replace(config, **_PLACEMENT_DEFAULTS).fingerprint()
+    """What decides a job's output: `config` without its placement fields (concurrency,
+    GPUs, retries), and without the fields left at their defaults, so that an option added
+    to the row contract later leaves the identity of output written before it unchanged."""
+    data = _set_fields(replace(config, **_PLACEMENT_DEFAULTS))
+    data["spec"] = _set_fields(config.spec)
+    return stable_hash(data)
+
+
+def _set_fields(obj: Any) -> dict[str, Any]:
+    """The init fields of dataclass `obj` whose values differ from their defaults."""
+    out = {}
+    for f in fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        if f.default is not MISSING and value == f.default:
+            continue
+        if f.default_factory is not MISSING and value == f.default_factory():
+            continue
+        out[f.name] = dict(value) if isinstance(value, Mapping) else value
+    return out
 
 
 def plan_job(job: JobSpec) -> JobPlan:

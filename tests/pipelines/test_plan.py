@@ -214,3 +214,33 @@ def test_row_group_shards_end_to_end(tmp_path, capsys):
     table = pq.read_table(tmp_path / "out")
     assert table.column("id").to_pylist() == list(range(30))
     assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 2
+
+
+def test_results_identity_ignores_placement_and_defaults():
+    """A job's output identity holds what changes results: placement fields never, and a
+    row-contract option only once it leaves its default (so an option added later leaves
+    existing output resumable)."""
+    from batchlm.operators.config import OperatorConfig
+    from batchlm.operators.rows import stable_hash
+    from batchlm.pipelines.job import results_fingerprint
+
+    plain = OperatorConfig.create(MINILM, "generate", sampling_params={"max_tokens": 4})
+    same = OperatorConfig.create(
+        MINILM,
+        "generate",
+        sampling_params={"max_tokens": 4},
+        output_logprobs=False,  # an option at its default
+        concurrency=(1, 3),
+        max_batch_retries=5,
+    )
+    assert results_fingerprint(plain) == results_fingerprint(same)
+    assert results_fingerprint(plain) == stable_hash(
+        {
+            "model": MINILM,
+            "spec": {"task": "generate", "sampling_params": {"max_tokens": 4}},
+        }
+    )
+    changed = OperatorConfig.create(
+        MINILM, "generate", sampling_params={"max_tokens": 4}, output_logprobs=True
+    )
+    assert results_fingerprint(changed) != results_fingerprint(plain)
