@@ -480,13 +480,14 @@ LARGE_GPU_BYTES = 70 * 2**30
 
 
 def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> int:
-    """The step token budget when none is given: 16384 for generation on a GPU with at least
-    70 GiB (fewer, larger prefill steps, a little faster; see docs/performance.md), else
-    8192."""
-    if runner_type == "generate" and device.type == "cuda":
+    """The step token budget when none is given: on a GPU with at least 70 GiB, 16384 for
+    generation (fewer, larger prefill steps, a little faster) and 32768 for pooling (an
+    encoder's forward of short texts is too small to fill the GPU below that); else 8192.
+    See docs/performance.md."""
+    if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
-            return 16384
+            return 16384 if runner_type == "generate" else 32768
     return 8192
 
 

@@ -469,8 +469,10 @@ def _pooling_rows(llm: Any, spec: RowSpec, table: pa.Table, info: ModelInfo) -> 
     if spec.task == "embed":
 
         def call(items: list[Any]) -> list[Any]:
-            outs = llm.embed(items, spec.pooling, **kwargs)
-            return [o.outputs.embedding for o in outs]
+            # Tensors (views of one host copy per engine batch), not a list of floats per
+            # text: the column is built from them in one copy.
+            outs = llm.encode(items, spec.pooling, pooling_task="embed", **kwargs)
+            return [o.outputs.data for o in outs]
     elif spec.task == "classify":
 
         def call(items: list[Any]) -> list[Any]:
@@ -514,12 +516,10 @@ def _label(index: int, info: ModelInfo, num_labels: int) -> str:
 def _fixed_size(rows: list[Any], size: int) -> pa.FixedSizeListArray:
     """Vectors (None for failed rows) as `fixed_size_list<float32>[size]`."""
     values = np.zeros((len(rows), size), dtype=np.float32)
-    mask = np.zeros(len(rows), dtype=bool)
-    for i, row in enumerate(rows):
-        if row is None:
-            mask[i] = True
-        else:
-            values[i] = np.asarray(row, dtype=np.float32)
+    mask = np.fromiter((row is None for row in rows), bool, len(rows))
+    ok = np.flatnonzero(~mask)
+    if len(ok):  # one copy of every vector (CPU tensors are read without a copy of their own)
+        values[ok] = np.stack([np.asarray(rows[i], dtype=np.float32) for i in ok])
     flat = pa.array(values.reshape(-1), pa.float32())
     return pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
 

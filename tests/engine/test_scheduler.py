@@ -727,10 +727,12 @@ def test_prefix_cache_stats_count_a_blocked_request_once():
         ("generate", "cuda:0", 141, 16384),
         ("generate", "cuda:0", 70, 16384),
         ("generate", "cuda:0", 48, 8192),
-        ("pooling", "cuda:0", 141, 8192),
+        ("pooling", "cuda:0", 141, 32768),
+        ("pooling", "cuda:0", 48, 8192),
+        ("pooling", "cpu", None, 8192),
     ],
 )
-def test_default_step_budget_is_larger_for_generation_on_large_gpus(
+def test_default_step_budget_is_larger_on_large_gpus(
     monkeypatch, runner_type, device, gib, expected
 ):
     import types
@@ -747,4 +749,4 @@ def test_default_step_budget_is_larger_for_generation_on_large_gpus(
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     assert default_max_num_batched_tokens(runner_type, torch.device(device)) == expected
-    assert asked == ([0] if runner_type == "generate" and device != "cpu" else [])
+    assert asked == ([0] if device != "cpu" else [])

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -407,20 +408,30 @@ def test_failed_task_is_retried_and_output_is_complete(spark, trace, tmp_path):
 
 
 class _BrokenEngine:
+    """Queues requests; its first engine step fails as a lost device would."""
+
     def __init__(self) -> None:
         self.shut_down = False
+        self.aborted: list[str] = []
+        scheduler = types.SimpleNamespace(max_num_seqs=4)
+        self.llm_engine = types.SimpleNamespace(
+            config=types.SimpleNamespace(scheduler=scheduler),
+            step=self._step,
+            abort_requests=self.aborted.extend,
+            is_shut_down=False,
+        )
 
     def enqueue(self, prompts, params):
         return [str(i) for i in range(len(prompts))]
 
-    def wait_for_completion(self, use_tqdm=True):
+    def _step(self):
         raise RuntimeError("device lost")
 
     def shutdown(self):
         self.shut_down = True
 
 
-def test_engine_failure_fails_the_batch_naming_model_and_batch(monkeypatch):
+def test_engine_failure_fails_the_task_naming_model_and_partition(monkeypatch):
     from batchlm.operators.rows import ModelInfo
 
     config = OperatorConfig.create("some/model", "generate", batch_size=2)
@@ -429,9 +440,14 @@ def test_engine_failure_fails_the_batch_naming_model_and_batch(monkeypatch):
     monkeypatch.setitem(spark_udf._ENGINES, key, engine)
     table = pa.table({"prompt": ["a", "b", "c"]})
     batches = spark_udf.process_batches(config, ModelInfo(hidden_size=8), iter([table]))
-    with pytest.raises(RuntimeError, match=r"model 'some/model' failed on batch 0 \(2 rows\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"model 'some/model' failed in partition -1, attempt 0, after 0 batch\(es\) of 2 "
+        r"rows: RuntimeError: device lost",
+    ):
         next(batches)
     assert engine.shut_down and key not in spark_udf._ENGINES  # the retry gets a fresh engine
+    assert engine.aborted  # the requests in flight were dropped
 
 
 def test_udf_factory_checks_the_task():
