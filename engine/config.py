@@ -125,7 +125,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     """Token budget of one engine step (prefill chunks plus decode tokens)."""
     max_num_seqs: int = 256
-    """Most requests running at once."""
+    """Most requests running at once (pooling: most inputs in one forward)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
     async_scheduling: bool = False

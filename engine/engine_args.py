@@ -47,7 +47,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None
     device: str = "auto"
@@ -108,8 +108,9 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{derived_len}; lower it or use a model with rope scaling"
             )
+        max_num_seqs = self.max_num_seqs or default_max_num_seqs(runner_type)
         max_batched = self.max_num_batched_tokens or max(
-            default_max_num_batched_tokens(runner_type, device), self.max_num_seqs
+            default_max_num_batched_tokens(runner_type, device), max_num_seqs
         )
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise InvalidParamError(
@@ -147,7 +148,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=self._async_scheduling(runner_type, device, speculative),
             ),
@@ -430,7 +431,7 @@ class EngineArgs:
                 f"async_scheduling={self.async_scheduling!r} must be True, False or None (auto)"
             )
         positive_int("block_size", self.block_size)
-        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_num_seqs", self.max_num_seqs, allow_none=True)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
@@ -477,6 +478,13 @@ class EngineArgs:
 
 LARGE_GPU_BYTES = 70 * 2**30
 """GPUs with at least this much memory (H100, H200, ...) get the larger default budget."""
+
+
+def default_max_num_seqs(runner_type: str) -> int:
+    """Most sequences at once when none is given: 256 requests for generation (vLLM's
+    default), 4096 inputs per forward for pooling (short texts: the token budget, not the
+    count, should bound a batch)."""
+    return 256 if runner_type == "generate" else 4096
 
 
 def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> int:

@@ -84,7 +84,7 @@ class PoolingMixin:
                 prompts,
                 pooling_params,
                 truncate_prompt_tokens,
-                lambda x, p: runner.embed(x, p, as_lists=True),
+                runner.embed,  # host tensors: each output's list is made when it is read
             )
             self._record_pooling(inputs, start)
             return [

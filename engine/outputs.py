@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 
 @dataclass
 class Logprob:
@@ -119,13 +117,38 @@ class RequestOutput:
     """Timestamps of the request when the engine collects statistics; else None."""
 
 
+class _ListField:
+    """A dataclass field that may be given a numpy array (or a CPU tensor) and always reads
+    as a list: the array becomes a list on the first read, which is kept.
+
+    Large pooling calls hand each output a view of one host array of the call (its flat
+    token ids, a batch's embeddings), because most callers never read every output as
+    Python objects, and 100k lists cost more than the forward.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> list:
+        if obj is None:  # no class-level default: the dataclass keeps the field required
+            raise AttributeError(self.key[1:])
+        value = obj.__dict__[self.key]
+        if not isinstance(value, list):
+            value = value.tolist()
+            obj.__dict__[self.key] = value
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.key] = value
+
+
 @dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    embedding: list[float] = _ListField()  # type: ignore[assignment]
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self.__dict__["_embedding"])
 
 
 @dataclass
@@ -149,37 +172,13 @@ class PoolingOutput:
     """A torch tensor: `[hidden]` / `[num_labels]` per sequence, `[num_tokens, ...]` per token."""
 
 
-class _TokenIdsField:
-    """A dataclass field that may be given a numpy array of ids and always reads as a
-    `list[int]`: the array becomes a list on the first read, which is kept.
-
-    Large pooling calls hand each output a view of the call's flat token ids, because most
-    callers never read `prompt_token_ids` and 100k lists cost more than the forward.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.key = "_" + name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> list[int]:
-        if obj is None:  # no class-level default: the dataclass keeps the field required
-            raise AttributeError(self.key[1:])
-        ids = obj.__dict__[self.key]
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
-            obj.__dict__[self.key] = ids
-        return ids
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.key] = value
-
-
 @dataclass
 class PoolingRequestOutput:
     """One input's pooling result (`outputs` is the task's output type)."""
 
     request_id: str
     outputs: Any
-    prompt_token_ids: list[int] = _TokenIdsField()  # type: ignore[assignment]
+    prompt_token_ids: list[int] = _ListField()  # type: ignore[assignment]
     finished: bool = True
 
 

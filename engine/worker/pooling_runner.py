@@ -301,10 +301,9 @@ class PoolingRunner:
         self,
         inputs: PackedInputs | Sequence[PoolingInput],
         params: list[PoolingParams],
-        as_lists: bool = False,
-    ) -> list[torch.Tensor] | list[list[float]]:
+    ) -> list[torch.Tensor]:
         """One float32 vector per input (normalised / truncated per its params): CPU tensors,
-        or Python lists when `as_lists` (converted a batch at a time)."""
+        views of one host copy per batch."""
         if self.is_late_interaction:
             raise InvalidParamError(
                 "this late-interaction (ColBERT) model gives one vector per token, not one per "
@@ -316,13 +315,11 @@ class PoolingRunner:
                     f"dimensions={p.dimensions} (input {i}) needs a matryoshka model; this one "
                     "declares no matryoshka_dimensions in config.json, so drop dimensions="
                 )
-        out: list[torch.Tensor | list[float] | None] = [None] * len(inputs)
+        out: list[torch.Tensor | None] = [None] * len(inputs)
 
         def finish(batch: list[int], groups: list[list[int]], copy: _HostCopy) -> None:
-            hosts = copy.wait() if as_lists else copy.wait_pageable()
-            for rows, host in zip(groups, hosts, strict=True):
-                vectors = host.numpy().tolist() if as_lists else host.unbind(0)
-                for row, vector in zip(rows, vectors, strict=True):
+            for rows, host in zip(groups, copy.wait_pageable(), strict=True):
+                for row, vector in zip(rows, host.unbind(0), strict=True):
                     out[batch[row]] = vector
 
         pending = None

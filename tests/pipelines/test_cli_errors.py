@@ -142,7 +142,7 @@ def test_bad_task(tmp_path, capsys, base):
     [
         ("batch_size", "ten", "batch_size: expected an integer, got 'ten' (a string)"),
         ("batch_size", 0, "batch_size=0 must be an integer >= 1"),
-        ("concurrency", 1.5, "concurrency: expected an integer, got 1.5"),
+        ("concurrency", 1.5, "concurrency: expected an integer or a list of 2 integers, got 1.5"),
         ("runner", "dask", "runner: 'dask' is unknown; use one of local, ray, spark"),
         ("input", 3, "input: expected a mapping of keys, got an integer"),
         ("engine", ["dtype"], "engine: expected a mapping, got ['dtype'] (a list)"),
