@@ -167,7 +167,7 @@ def _is_set(value: Any) -> bool:
 
 
 def _check_string(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not value:
         raise InvalidParamError(
             f"structured_outputs.{name}={value!r:.80} must be a non-empty string"
         )

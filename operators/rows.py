@@ -35,6 +35,8 @@ from batchlm.engine.errors import InvalidParamError, InvalidPromptError
 from batchlm.engine.pooling_params import PoolingParams
 from batchlm.engine.sampling_params import SamplingParams
 
+from .structured_rows import job_constraint, params_per_row
+
 TASKS = ("generate", "chat", "embed", "score", "classify")
 GENERATION_TASKS = ("generate", "chat")
 ERROR_COLUMN = "error"
@@ -77,6 +79,12 @@ class RowSpec:
     """`chat`: a template (text or path) overriding the model's."""
     chat_template_kwargs: Mapping[str, Any] | None = None
     """`chat`: extra variables for the template."""
+    structured_outputs: Mapping[str, Any] | None = None
+    """generate / chat: every row's output constraint, `StructuredOutputsParams` fields
+    (`json`, `regex`, `choice`, `grammar`, `json_object`, ...); see `structured_rows.py`."""
+    structured_outputs_column: str = "structured_outputs"
+    """generate / chat: an optional column of per-row constraints overriding the job's (a
+    JSON string or a struct of the same fields; null: the job's)."""
     _sampling: SamplingParams | None = field(default=None, init=False, repr=False, compare=False)
     _pooling: PoolingParams | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -103,6 +111,10 @@ class RowSpec:
             raise RowContractError(
                 f"pooling_params apply to embed / score / classify, not task={self.task!r}"
             )
+        try:
+            job_constraint(self.task, self.structured_outputs, self.sampling_params)
+        except InvalidParamError as e:
+            raise RowContractError(str(e)) from None
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -384,16 +396,20 @@ def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
         raise RowContractError(f"submit_rows is for generate / chat, not {spec.task!r}")
     check_columns(spec, table.column_names)
     inputs, errors = _row_inputs(spec, table)
+    per_row = params_per_row(
+        llm, spec.sampling, spec.structured_outputs, table, spec.structured_outputs_column, errors
+    )
     ok = [i for i, e in enumerate(errors) if e is None]
     request_ids: list[str | None] = [None] * len(inputs)
 
     def enqueue(rows: list[int]) -> list[str]:
         items = [inputs[i] for i in rows]
+        params = spec.sampling if per_row is None else [per_row[i] for i in rows]
         if spec.task == "generate":
-            return llm.enqueue(items, spec.sampling)
+            return llm.enqueue(items, params)
         return llm.enqueue_chat(
             items,
-            spec.sampling,
+            params,
             chat_template=spec.chat_template,
             chat_template_kwargs=dict(spec.chat_template_kwargs or {}) or None,
         )
