@@ -21,7 +21,7 @@ DEMO_ROWS = {
     "generate_demo.yaml": 40,
     "embed_demo.yaml": 160,
     "score_demo.yaml": 80,
-    "extract_demo.yaml": 24,
+    "extract_demo.yaml": 16,
 }
 """Each demo job's rows, as the README's table of demos states them."""
 
@@ -100,7 +100,7 @@ def test_extract_demo(tmp_path, capsys):
     run_demo("extract_demo.yaml", tmp_path / "extract", capsys)
     job = load_job(REPO / "conf" / "extract_demo.yaml")
     table = read_output(tmp_path / "extract", job)
-    assert table.num_rows == input_rows(REPO / job.input.path) == 24
+    assert table.num_rows == input_rows(REPO / job.input.path) == 16
     schema = job.structured_outputs["json"]
     for text, reason in zip(
         table.column("generated_text").to_pylist(),
