@@ -19,7 +19,7 @@ from .grammar_spec import GrammarSpec
 
 class GuidanceBackend:
     """Args:
-    tokenizer: The engine's Hugging Face tokenizer (a fast one).
+    tokenizer: The engine's Hugging Face tokenizer (a fast one; ValueError otherwise).
     vocab_size: The model's logits width.
     stop_token_ids: The engine's end-of-generation ids: what a complete grammar allows
         (llguidance takes them per tokenizer, not per request).
@@ -32,12 +32,9 @@ class GuidanceBackend:
         import llguidance.hf
 
         self._llg = llguidance
-        try:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
-            )
-        except ValueError as e:
-            raise GrammarCompileError(f"llguidance cannot read this tokenizer: {e}") from None
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
+        )
         self._executor = llguidance.LLExecutor()
 
     def compile(self, spec: GrammarSpec) -> Any:

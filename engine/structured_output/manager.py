@@ -146,7 +146,10 @@ class StructuredOutputManager:
     def _backend(self, name: str) -> GrammarBackend:
         backend = self._backends.get(name)
         if backend is None:
-            backend = create_backend(name, self.tokenizer, self.vocab_size, self.eos_token_ids)
+            try:
+                backend = create_backend(name, self.tokenizer, self.vocab_size, self.eos_token_ids)
+            except (ValueError, RuntimeError, TypeError, AttributeError) as e:
+                raise GrammarCompileError(f"{name} cannot read this tokenizer ({e})") from None
             self._backends[name] = backend
         return backend
 

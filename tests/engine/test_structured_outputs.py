@@ -165,7 +165,7 @@ def test_free_requests_are_unchanged_by_constrained_ones(mixed):
         # A cache far too small for the batch: requests are preempted and recomputed; with
         # async scheduling, whose tokens in flight the masks are filled from (the steps
         # that preempt wait for the one in flight).
-        dict(async_scheduling=True, num_gpu_blocks_override=12),
+        dict(async_scheduling=True, block_size=4, num_gpu_blocks_override=32),
         dict(spec_method="ngram", spec_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4),
     ],
     ids=["async-preemption", "ngram"],
