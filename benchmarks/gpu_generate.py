@@ -518,7 +518,7 @@ def w1_json(args, rec: Recorder, folder: Path) -> None:
         workload="W1-json",
         metric="output_tok_per_s",
         model="Llama-3.1-8B shape, random weights",
-        dtype="bfloat16",
+        dtype=str(DTYPE).removeprefix("torch."),
         num_requests=256,
         prompt_len=512,
         output_len=256,
