@@ -6,6 +6,9 @@ for every row; a table may also carry a column of per-row constraints
 struct of the same fields per row, null for the job's. A row whose cell is malformed gets
 its message in `error` here; one whose constraint the engine cannot compile gets the
 engine's message there (the row contract queues rows one by one when a call is refused).
+Give schemas as JSON text: an Arrow struct of schemas of different shapes unifies them,
+filling every key one row lacks with null (a top-level null field is dropped, a nested one
+would reach the schema).
 
 Example:
     >>> spec = RowSpec(task="generate", structured_outputs={"choice": ["yes", "no"]})
