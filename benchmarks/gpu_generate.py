@@ -14,6 +14,9 @@ W2: Qwen2.5-0.5B shape, 256 requests, prompt and output lengths uniform in [100,
     temperature 0.6; HF continuous batching (`generate_batch`) when `--baseline-w2`.
 W3: Llama-3.1-8B shape, batch 1, 32-token prompt, 256 output tokens; HF `generate`.
 W1-fp8: W1's batch in bf16 against fp8, and fp8 with an fp8 KV cache (all batchlm).
+W1-json: W1's batch with a JSON schema on every request (structured outputs, xgrammar)
+    against the same batch unconstrained (both batchlm; a synthetic tokenizer of the model's
+    vocabulary, see synthetic_tokenizer.py).
 W3-ngram: batch 1, a copy-heavy prompt (the model made to copy, see `w3_ngram`), ngram
     speculation against none (both batchlm).
 W3-tp2: W3 with tensor_parallel_size=2 against 1 (both batchlm; 2 GPUs).
@@ -37,8 +40,9 @@ from pathlib import Path
 
 import torch
 from common import Recorder, Timer
+from synthetic_tokenizer import build_tokenizer
 
-from batchlm.engine import LLM, SamplingParams
+from batchlm.engine import LLM, SamplingParams, StructuredOutputsParams
 
 HBM_BYTES_PER_S = 4.23e12  # measured device-to-device copy rate of the H200
 DEVICE = "cuda"
@@ -50,6 +54,8 @@ SMOKE = dict(
     vocab_size=512,
     num_attention_heads=4,
     num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 LLAMA_8B = dict(
@@ -209,10 +215,10 @@ def decode_breakdown(llm: LLM, prompts, params: SamplingParams, shape: dict) -> 
 
 
 def make_llm(folder: Path, args, **kwargs) -> LLM:
+    kwargs.setdefault("skip_tokenizer_init", True)
     return LLM(
         str(folder),
         dtype=str(DTYPE).removeprefix("torch."),
-        skip_tokenizer_init=True,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.85,
         **(
@@ -449,6 +455,97 @@ def w1_fp8(args, rec: Recorder, folder: Path) -> None:
         )
 
 
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                    "name": {"type": "string", "maxLength": 24},
+                    "tags": {
+                        "type": "array",
+                        "maxItems": 3,
+                        "items": {"enum": ["red", "green", "blue"]},
+                    },
+                },
+                "required": ["id", "name", "tags"],
+            },
+        }
+    },
+    "required": ["records"],
+}
+"""W1-json's schema: no output of 256 tokens completes it (64 records at least), so every
+request writes 256 tokens, through keys, bounded integers, strings and enums."""
+
+
+def w1_json(args, rec: Recorder, folder: Path) -> None:
+    """W1's batch with `RECORDS_SCHEMA` on every request against the same batch
+    unconstrained, both batchlm, same engine, same run."""
+    if not (folder / "config.json").exists():
+        build_random_model(LLAMA_8B, folder)
+        release()
+    vocab = LLAMA_8B["vocab_size"]
+    tokenizer = build_tokenizer(
+        Path(tempfile.mkdtemp(prefix="bench-tokenizer-")),
+        vocab,
+        LLAMA_8B["bos_token_id"],
+        LLAMA_8B["eos_token_id"],
+    )
+    prompts = prompts_of([512] * 256, vocab, 0)
+    llm = make_llm(
+        folder, args, max_num_seqs=256, tokenizer=str(tokenizer), skip_tokenizer_init=False
+    )
+    free = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    constraint = StructuredOutputsParams(json=RECORDS_SCHEMA, disable_any_whitespace=True)
+    constrained = free.clone()
+    constrained.structured_outputs = constraint
+    with Timer() as compile_timer:  # the tokenizer's vocabulary read, the schema compiled
+        run_batchlm(llm, prompts[:1], SamplingParams(max_tokens=1, structured_outputs=constraint))
+    for params in (free, constrained):  # warm-up as W1's
+        short = params.clone()
+        short.max_tokens = 4
+        run_batchlm(llm, prompts[:64], short)
+    free_s, _ = run_batchlm(llm, prompts, free)
+    json_s, outs = run_batchlm(llm, prompts, constrained)
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert num_tokens == 256 * 256, f"constrained outputs wrote {num_tokens} tokens"
+    free_tps, json_tps = 256 * 256 / free_s, num_tokens / json_s
+    common = dict(
+        workload="W1-json",
+        metric="output_tok_per_s",
+        model="Llama-3.1-8B shape, random weights",
+        dtype=str(DTYPE).removeprefix("torch."),
+        num_requests=256,
+        prompt_len=512,
+        output_len=256,
+        async_scheduling=llm.llm_engine.config.scheduler.async_scheduling,
+        tokenizer=f"synthetic byte-level BPE of {vocab} tokens (both runs detokenize)",
+        **step_budget(llm),
+    )
+    rec.record(
+        system="batchlm-unconstrained", value=round(free_tps, 1), seconds=round(free_s, 3), **common
+    )
+    rec.record(
+        system="batchlm",
+        value=round(json_tps, 1),
+        seconds=round(json_s, 3),
+        baseline_value=round(free_tps, 1),
+        ratio=round(json_tps / free_tps, 3),
+        backend="xgrammar",
+        schema="records: >= 64 objects of a bounded integer, a string <= 24 chars, enum tags",
+        disable_any_whitespace=True,
+        first_request_seconds=round(compile_timer.seconds, 3),
+        triton_compiles_in_run=compiles_in_last_run(),
+        **common,
+    )
+    del llm
+    release()
+
+
 def zero_attention_outputs(llm: LLM) -> None:
     """Zero every layer's attention output projection, in place (the graphs keep reading
     the same tensors): the model's next token is then a function of its current token."""
@@ -571,7 +668,7 @@ def main() -> None:
     ap.add_argument(
         "--workload",
         action="append",
-        choices=["W1", "W2", "W3", "W5", "W1-fp8", "W3-ngram", "W3-tp2"],
+        choices=["W1", "W2", "W3", "W5", "W1-fp8", "W1-json", "W3-ngram", "W3-tp2"],
     )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
@@ -612,6 +709,8 @@ def main() -> None:
             w5(args, rec, llama_dir)
         elif workload == "W1-fp8":
             w1_fp8(args, rec, llama_dir)
+        elif workload == "W1-json":
+            w1_json(args, rec, llama_dir)
         elif workload == "W3-ngram":
             w3_ngram(args, rec, llama_dir)
         elif workload == "W3-tp2":

@@ -19,10 +19,12 @@ from .outputs import (
 )
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
+from .structured_outputs_params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "PoolingParams",
     "TextPrompt",
     "TokensPrompt",

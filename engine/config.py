@@ -190,6 +190,21 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """The grammar engine behind `SamplingParams.structured_outputs`
+    (`LLM(structured_outputs_config={...})`, vLLM's keys)."""
+
+    backend: str = "auto"
+    """`xgrammar`, `guidance` (llguidance), or `auto`: xgrammar, and guidance for what only
+    it serves (`whitespace_pattern`) or when xgrammar is not installed."""
+    disable_any_whitespace: bool = False
+    """Every JSON request as if it set `disable_any_whitespace` (no whitespace between
+    JSON tokens)."""
+    disable_additional_properties: bool = False
+    """Every JSON request as if it set `disable_additional_properties`."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
@@ -208,6 +223,9 @@ class EngineConfig:
     """Return, per generated token, the token ids that survived top-k / top-p / min-p."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding; None decodes one token per request and step."""
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """The grammar engine of requests with `structured_outputs` (compiled when one first
+    asks for it: an engine that never sees one never imports it)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):

@@ -19,6 +19,7 @@ from .config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     config_torch_dtype,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -72,6 +73,7 @@ class EngineArgs:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     generation_config: str = "auto"
+    structured_outputs_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -164,7 +166,18 @@ class EngineArgs:
             metrics_port=self.metrics_port,
             return_sampling_mask=self.return_sampling_mask,
             speculative=speculative,
+            structured_outputs=self._structured_outputs(runner_type),
         )
+
+    def _structured_outputs(self, runner_type: str) -> StructuredOutputsConfig:
+        from .structured_output import parse_structured_outputs_config
+
+        if self.structured_outputs_config is not None and runner_type != "generate":
+            raise InvalidParamError(
+                "structured_outputs_config applies to generation models; pooling models "
+                "(embed / classify / score) generate no text: drop it"
+            )
+        return parse_structured_outputs_config(self.structured_outputs_config)
 
     def _generation_defaults(
         self, path: Path, hf_config: Any, runner_type: str

@@ -66,8 +66,8 @@ class LLM(PoolingMixin):
             periodic log line); None: off unless `metrics_port` is given, as in vLLM.
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
-            `kv_cache_dtype`, `speculative_config`, `metrics_port`, ...). An unknown name
-            raises `TypeError` listing the valid ones.
+            `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
+            `metrics_port`, ...). An unknown name raises `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -469,12 +469,17 @@ class LLM(PoolingMixin):
                 f"sampling_params must be a SamplingParams or a list of them, "
                 f"got {type(sampling_params).__name__}"
             )
-        # Vocabulary-dependent checks, once per distinct params object.
+        # Vocabulary-dependent checks and grammars, once per distinct params object (named
+        # by the first prompt that uses it).
         vocab = self.llm_engine.vocab_size
-        for params in {id(p): p for p in params_list}.values():
+        first_use: dict[int, tuple[int, SamplingParams]] = {}
+        for index, params in enumerate(params_list):
+            first_use.setdefault(id(params), (index, params))
+        for index, params in first_use.values():
             if params.bad_words:
                 params.resolve_bad_words(self._require_tokenizer("bad_words"))
             params.verify_token_ids(vocab)
+            self.llm_engine.structured.validate(params, index)
         return params_list
 
     def _tokenize(self, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:

@@ -24,6 +24,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .spec_decode.manager import SpecDecodeManager
 from .spec_decode.runner import SpecDecodeRunner
+from .structured_output import StructuredOutputManager
 from .worker.executor import create_executor
 from .worker.model_runner import ModelRunner
 from .worker.runner_output import ModelRunnerOutput, PendingOutput
@@ -97,6 +98,16 @@ class LLMEngine(EngineBase):
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
         if config.speculative is not None:
             self.spec = SpecDecodeManager(config.speculative, max_len)
+        self.structured = StructuredOutputManager(
+            config.structured_outputs,
+            self.tokenizer,
+            self.runner.vocab_size,
+            self.eos_token_ids,
+            pin_memory=self.runner.device.type == "cuda",
+            speculative_method=config.speculative.method if config.speculative else None,
+        )
+        """Structured outputs: compiled grammars, each constrained request's matcher (rank
+        0 samples, so its matchers are the only ones), each step's token bitmask."""
         self._arrivals = itertools.count()
         self._parents: dict[str, _ParentRequest] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
@@ -181,6 +192,7 @@ class LLMEngine(EngineBase):
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
         )
+        self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:
             request.metrics = RequestMetrics(arrival_time=time.time())
             self._unscheduled[request_id] = request
@@ -201,6 +213,7 @@ class LLMEngine(EngineBase):
         if self.metrics is not None:
             self._record_aborts(ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.structured.finish(ids)
         for rid in ids:
             self.outputs.states.pop(rid, None)
             self._stash.pop(rid, None)
@@ -227,9 +240,11 @@ class LLMEngine(EngineBase):
             return self._step_ahead()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+            if self.structured.num_requests:
+                self.structured.trim_drafts(self.scheduler.running)
         sched_out = self._schedule(ahead=False)
         try:
-            runner_out = self._execute_model(sched_out)
+            runner_out = self._execute_model(sched_out, self.structured.mask_source(sched_out))
         except BaseException:  # an interrupt or a device error: the step's KV is not there
             self.scheduler.undo_schedule(sched_out)
             raise
@@ -244,7 +259,11 @@ class LLMEngine(EngineBase):
             inflight = None
         sched_out = self._schedule(ahead=inflight is not None)
         try:
-            launched = (sched_out, self._launch_model(sched_out))
+            # The constrained requests' mask is filled once this step's forward is launched:
+            # their tokens in flight are read from the step before, which then reaches the
+            # host while this one runs.
+            grammar = self.structured.mask_source(sched_out, inflight[1] if inflight else None)
+            launched = (sched_out, self._launch_model(sched_out, grammar))
         except BaseException:
             self.scheduler.undo_schedule(sched_out)
             if inflight is not None:
@@ -303,9 +322,15 @@ class LLMEngine(EngineBase):
         """Append one new token per request (`runner_out.sampled`), run the stop checks and
         the detokenizer; the requests that finished."""
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled)
+        if self.structured.num_requests:
+            # A complete grammar ends its request (whatever ignore_eos says).
+            ended = self.structured.advance(updated)
+            if ended:
+                self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
         finished_ids, stopped = self.outputs.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.structured.finish(finished_ids)
         if self.metrics is not None:
             self._record_step(updated, finished_ids)
         finished = []

@@ -80,7 +80,10 @@ class OutputProcessor:
                 if state.sampling_mask is None:
                     state.sampling_mask = []
                 state.sampling_mask.append(mask)
-            stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+            # (A request its grammar ended stops after a token of its own text.)
+            stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
+                token_id in request.eos_token_ids or token_id in params.stop_token_ids
+            )
             if state.detokenizer is not None:
                 skip = stopped_by_token and not params.include_stop_str_in_output
                 stop = state.detokenizer.add_token(token_id, skip_text=skip)

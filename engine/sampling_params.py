@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidParamError
 from .inputs import check_text
+from .structured_outputs_params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
+
+__all__ = ["SAMPLING_EPS", "SamplingParams", "StructuredOutputsParams"]
 
 
 @dataclass
@@ -87,6 +91,9 @@ class SamplingParams:
     """Words that may not be generated: the last token of a word's tokenization is banned
     whenever the tokens before it end the output so far (a one-token word is always
     banned). Each word is banned with and without a leading space."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON Schema, a regex, a choice or a grammar (a plain dict
+    of its fields is read as `StructuredOutputsParams.from_dict`); None leaves it free."""
 
     # Derived, not user-facing.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
@@ -105,6 +112,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         if self.bad_words is not None:
             self.bad_words = list(dict.fromkeys(self.bad_words))
@@ -229,6 +238,13 @@ class SamplingParams:
                     "(None keeps the whole prompt)"
                 )
         self._validate_token_constraints()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidParamError(
+                f"structured_outputs must be a StructuredOutputsParams (or a dict of its "
+                f"fields), got {type(self.structured_outputs).__name__}"
+            )
         for i, s in enumerate(self._stop_strs):
             if not isinstance(s, str) or not s:
                 raise InvalidParamError(

@@ -60,6 +60,7 @@ from .row_cells import (
     text_or_token_ids_cell,
 )
 from .row_params import RowSamplingParams, build_params, params_fields
+from .structured_rows import job_constraint, params_per_row
 
 TASKS = ("generate", "chat", "embed", "score", "classify", "loglikelihood")
 GENERATION_TASKS = ("generate", "chat")
@@ -126,6 +127,12 @@ class RowSpec:
     """`generate` / `chat`: add `prompt_logprobs`, per prompt token its logprob and the top
     `sampling_params.prompt_logprobs` alternatives (null for the first token). Such requests
     compute their whole prompt (no prefix cache)."""
+    structured_outputs: Mapping[str, Any] | None = None
+    """generate / chat: every row's output constraint, `StructuredOutputsParams` fields
+    (`json`, `regex`, `choice`, `grammar`, `json_object`, ...); see `structured_rows.py`."""
+    structured_outputs_column: str = "structured_outputs"
+    """generate / chat: an optional column of per-row constraints overriding the job's (a
+    JSON string or a struct of the same fields; null: the job's)."""
     _sampling: SamplingParams | None = field(default=None, init=False, repr=False, compare=False)
     _pooling: PoolingParams | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -161,6 +168,10 @@ class RowSpec:
                     f"{name} adds a column to generate / chat rows, not to task={self.task!r}; "
                     "drop it"
                 )
+        try:
+            job_constraint(self.task, self.structured_outputs, self.sampling_params)
+        except InvalidParamError as e:
+            raise RowContractError(str(e)) from None
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -335,6 +346,11 @@ def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
         inputs, params, context_lens = _loglikelihood_requests(llm, inputs, errors)
     else:
         params = _sampling_per_row(llm, spec, table, errors)
+        constrained = params_per_row(
+            llm, params, spec.structured_outputs, table, spec.structured_outputs_column, errors
+        )
+        if constrained is not None:
+            params = constrained
     ok = [i for i, e in enumerate(errors) if e is None]
     request_ids: list[str | None] = [None] * len(inputs)
 

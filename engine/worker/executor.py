@@ -41,6 +41,7 @@ from .. import envs
 from ..config import EngineConfig
 from ..core.scheduler import SchedulerOutput
 from ..errors import EngineDeadError
+from .grammar_mask import GrammarMaskSource
 from .runner_output import ModelRunnerOutput, PendingOutput
 from .worker import (
     FATAL,
@@ -79,9 +80,13 @@ class StepRunner(RankRunner, Protocol):
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, out: SchedulerOutput, grammar: GrammarMaskSource | None = None
+    ) -> ModelRunnerOutput: ...
 
-    def launch_model(self, out: SchedulerOutput) -> PendingOutput: ...
+    def launch_model(
+        self, out: SchedulerOutput, grammar: GrammarMaskSource | None = None
+    ) -> PendingOutput: ...
 
 
 class Executor:
@@ -306,16 +311,17 @@ class MultiprocExecutor(Executor):
         for w in self._workers:
             w.conn.send_bytes(data)
 
-    def _execute_model(self, scheduler_output: Any) -> Any:
-        return self._launch_model(scheduler_output).result()
+    def _execute_model(self, scheduler_output: Any, grammar: Any = None) -> Any:
+        return self._launch_model(scheduler_output, grammar).result()
 
-    def _launch_model(self, scheduler_output: Any) -> Any:
-        """`runner.launch_model`, with a failure (now or when the output is awaited)
-        handled like a failed step."""
+    def _launch_model(self, scheduler_output: Any, grammar: Any = None) -> Any:
+        """`runner.launch_model` (rank 0's: it alone samples, so `grammar`, the
+        structured-outputs mask, is its alone), with a failure (now or when the output is
+        awaited) handled like a failed step."""
         self.check_health()
         with _interrupt_deferred():
             try:
-                return _WatchedOutput(self, self.runner.launch_model(scheduler_output))
+                return _WatchedOutput(self, self.runner.launch_model(scheduler_output, grammar))
             except BaseException as e:
                 self._fail(e)
                 raise

@@ -37,6 +37,7 @@ from ..loader.weights import build_model
 from ..models.registry import get_model_class
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
+from .grammar_mask import GrammarMaskSource, apply_grammar
 from .prompt_logprobs import (
     PromptLogprobsJob,
     PromptLogprobsRows,
@@ -224,16 +225,22 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, out: SchedulerOutput, grammar: GrammarMaskSource | None = None
+    ) -> ModelRunnerOutput:
         """Run one step and wait for its output."""
-        return self.launch_model(out).result()
+        return self.launch_model(out, grammar).result()
 
     @torch.inference_mode()
-    def launch_model(self, out: SchedulerOutput) -> PendingOutput:
+    def launch_model(
+        self, out: SchedulerOutput, grammar: GrammarMaskSource | None = None
+    ) -> PendingOutput:
         """Start one step on the device; its output reaches the host with `result()`.
 
         The next step may be launched before that (async scheduling): its tokens marked
-        PLACEHOLDER_TOKEN are this step's samples, read on the device.
+        PLACEHOLDER_TOKEN are this step's samples, read on the device. `grammar` fills the
+        bitmask of the step's constrained rows (structured outputs); it is called once the
+        forward is launched, and its mask applied to the logits before sampling.
         """
         self.request_generators.forget(out.finished_request_ids)
         if self.spec is not None:
@@ -268,6 +275,7 @@ class ModelRunner:
                 generators[row] = gen
         if self.spec is not None and any(r.spec_token_ids for r in sampled_reqs):
             logits = self.model.compute_logits(sample_hidden)
+            apply_grammar(logits, grammar)
             out = self._to_host([], None, prompt_jobs, prompt_result).result()
             self.spec.verify(logits, sampled_reqs, generators, out)
             self._last_samples = None
@@ -284,6 +292,7 @@ class ModelRunner:
         )
         # [num_sampled, vocab]; an argmax alone reads them in the model's dtype.
         logits = self.model.compute_logits(sample_hidden, upcast=not meta.is_argmax_only)
+        apply_grammar(logits, grammar)
         result = self.sampler(logits, meta)
         if self.share_samples:
             self.tp.broadcast(result.sampled_token_ids)

@@ -6,7 +6,9 @@ the logits processing runs only on the rows that use it, and not at all when no 
 Sampling uses the exponential race (`argmax(probs / q)` with `q ~ Exp(1)`), which draws
 exactly from `probs`; a seeded request draws its `q` from its own generator, so its tokens
 do not depend on the rest of the batch. Logprobs are those of the raw model output (before
-any processing, temperature and truncation), as vLLM reports them by default.
+any processing, temperature and truncation), as vLLM reports them by default; a structured
+output's grammar mask comes before all of it (`grammar_mask.py`), so its logprobs are those
+of the constrained distribution, as in vLLM.
 """
 
 from __future__ import annotations

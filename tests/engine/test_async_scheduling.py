@@ -332,11 +332,11 @@ def test_a_failed_launch_undoes_both_steps_and_the_engine_recovers(tiny_model_fa
         launch = engine._launch_model
         calls = {"n": 0}
 
-        def failing_launch(sched_out):
+        def failing_launch(sched_out, grammar=None):
             calls["n"] += 1
             if calls["n"] == 3:  # the third launch, with the second one in flight
                 raise RuntimeError("device lost")
-            return launch(sched_out)
+            return launch(sched_out, grammar)
 
         engine._launch_model = failing_launch
         llm.enqueue(prompts, params, use_tqdm=False)

@@ -294,13 +294,13 @@ def interrupt_at_launch(llm: LLM, presses: int, at_call: int = 3) -> None:
     launch = runner.launch_model
     calls = itertools.count(1)
 
-    def launch_model(scheduler_output):
+    def launch_model(scheduler_output, grammar=None):
         if next(calls) == at_call:
             for _ in range(presses):
                 for pid in [*llm.llm_engine.executor.worker_pids, os.getpid()]:
                     os.kill(pid, signal.SIGINT)
                 time.sleep(0.05)  # the handler runs in this (the main) thread meanwhile
-        return launch(scheduler_output)
+        return launch(scheduler_output, grammar)
 
     runner.launch_model = launch_model
 

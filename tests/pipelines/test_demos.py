@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,7 +17,12 @@ from batchlm.pipelines.shards import find_input_files, plan_shards, read_shard
 
 from .conftest import REPO
 
-DEMO_ROWS = {"generate_demo.yaml": 40, "embed_demo.yaml": 160, "score_demo.yaml": 80}
+DEMO_ROWS = {
+    "generate_demo.yaml": 40,
+    "embed_demo.yaml": 160,
+    "score_demo.yaml": 80,
+    "extract_demo.yaml": 16,
+}
 """Each demo job's rows, as the README's table of demos states them."""
 
 
@@ -88,6 +94,21 @@ def test_score_demo(tmp_path, capsys):
     relevant = np.asarray(table.column("relevant").to_pylist())
     # Same-topic pairs score higher than cross-topic ones on average (bi-encoder cosine).
     assert scores[relevant].mean() > scores[~relevant].mean() + 0.2
+
+
+def test_extract_demo(tmp_path, capsys):
+    run_demo("extract_demo.yaml", tmp_path / "extract", capsys)
+    job = load_job(REPO / "conf" / "extract_demo.yaml")
+    table = read_output(tmp_path / "extract", job)
+    assert table.num_rows == input_rows(REPO / job.input.path) == 16
+    schema = job.structured_outputs["json"]
+    for text, reason in zip(
+        table.column("generated_text").to_pylist(),
+        table.column("finish_reason").to_pylist(),
+        strict=True,
+    ):
+        jsonschema.validate(json.loads(text), schema)  # every row: JSON that fits the schema
+        assert reason == "stop"
 
 
 def test_every_demo_runs_over_the_data_in_conf():

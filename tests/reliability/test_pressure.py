@@ -153,11 +153,11 @@ def _fail_on_step(monkeypatch, llm: LLM, step: int, error: BaseException, after:
     real = engine._execute_model
     calls = {"n": 0}
 
-    def execute(scheduler_output):
+    def execute(scheduler_output, grammar=None):
         calls["n"] += 1
         if calls["n"] == step and not after:
             raise error
-        out = real(scheduler_output)
+        out = real(scheduler_output, grammar)
         if calls["n"] == step:
             raise error
         return out
