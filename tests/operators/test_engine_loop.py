@@ -1,7 +1,7 @@
 """`EngineLoop` over a scripted fake engine: overlap, per-batch answers, retries, merging.
 
 The fake engine finishes a prompt of k words after k steps, so the tests control which
-batch is still running; a prompt with the word HOLD (and every embed call) waits for the
+batch is still running; a prompt with the word HOLD (and every encode call) waits for the
 test's `gate` event, and `busy` tells the test that the engine has started working. The
 real engines are exercised by test_ray_data.py.
 """
@@ -57,10 +57,10 @@ class FakeEngine:
 
 
 class FakeLLM:
-    """Generation: `enqueue` + `llm_engine.step()`; pooling: `embed` (2-d: [len, 1]).
+    """Generation: `enqueue` + `llm_engine.step()`; pooling: `encode` (2-d: [len, 1]).
 
-    `gate`: while it is not set, prompts with the word HOLD make no progress and `embed`
-    waits. `busy` is set as soon as a step or an embed call starts.
+    `gate`: while it is not set, prompts with the word HOLD make no progress and `encode`
+    waits. `busy` is set as soon as a step or an encode call starts.
     """
 
     def __init__(self, step_s: float = 0.0, gate: threading.Event | None = None) -> None:
@@ -90,14 +90,17 @@ class FakeLLM:
     def is_held(self, prompt: str) -> bool:
         return self.gate is not None and not self.gate.is_set() and "HOLD" in prompt.split()
 
-    def embed(self, texts: list[str], params: object, **kwargs: object) -> list[SimpleNamespace]:
+    def encode(
+        self, texts: list[str], params: object, pooling_task: str, **kwargs: object
+    ) -> list[SimpleNamespace]:
+        assert pooling_task == "embed"
         self.busy.set()
         if self.gate is not None:
             assert self.gate.wait(timeout=10), "the test never opened the gate"
         self.embed_calls.append(len(texts))
         if any("CRASH" in t for t in texts):
             raise RuntimeError("device lost")
-        return [SimpleNamespace(outputs=SimpleNamespace(embedding=[len(t), 1.0])) for t in texts]
+        return [SimpleNamespace(outputs=SimpleNamespace(data=[len(t), 1.0])) for t in texts]
 
     def shutdown(self) -> None:
         self.is_shut_down = True

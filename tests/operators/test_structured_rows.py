@@ -73,7 +73,8 @@ def test_cells_become_params_shared_by_equal_constraints():
     )
     errors: list[str | None] = [None] * 7 + ["already failed"]
     base = SamplingParams(temperature=0.0, max_tokens=5)
-    params = params_per_row(_DefaultsOnly(), base, CHOICE, table, "structured_outputs", errors)
+    bases = [base] * 8
+    params = params_per_row(_DefaultsOnly(), bases, CHOICE, table, "structured_outputs", errors)
     assert params[0].structured_outputs == StructuredOutputsParams(**CHOICE)
     assert params[1].structured_outputs == StructuredOutputsParams(regex="[0-9]+")
     assert params[1] is params[2]  # one object: the engine checks it once
@@ -93,9 +94,9 @@ def test_a_struct_column_and_the_models_defaults():
         pa.struct([("regex", pa.string()), ("choice", pa.list_(pa.string()))]),
     )
     table = pa.table({"prompt": ["a", "b", "c"], "so": struct})
-    params = params_per_row(_DefaultsOnly(), None, None, table, "so", [None] * 3)
+    params = params_per_row(_DefaultsOnly(), [None] * 3, None, table, "so", [None] * 3)
     assert params[0].structured_outputs == StructuredOutputsParams(regex="x+")
     assert params[1].structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     assert params[2].structured_outputs is None and params[2].max_tokens == 7  # model defaults
     # Neither the job nor the table constrains anything: the job's params as they are.
-    assert params_per_row(_DefaultsOnly(), None, None, table, "absent", [None] * 3) is None
+    assert params_per_row(_DefaultsOnly(), [None] * 3, None, table, "absent", [None] * 3) is None
