@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from batchlm.engine.errors import InvalidParamError, InvalidPromptError
 from batchlm.engine.pooling_params import PoolingParams
@@ -301,12 +302,22 @@ def _row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | N
         parse = text_or_token_ids_cell
     else:
         parse = text_cell
+    names = spec.input_columns
     inputs: list[Any] = []
     errors: list[str | None] = []
+    if len(names) == 1:  # one Python call per row: embedding jobs read millions of rows
+        name = names[0]
+        for value in columns[0]:
+            try:
+                inputs.append(parse(value, name))
+                errors.append(None)
+            except ROW_ERRORS as e:
+                inputs.append(None)
+                errors.append(str(e))
+        return inputs, errors
     for values in zip(*columns, strict=True):
         try:
-            parsed = tuple(parse(v, c) for v, c in zip(values, spec.input_columns, strict=True))
-            inputs.append(parsed if len(parsed) > 1 else parsed[0])
+            inputs.append(tuple(parse(v, c) for v, c in zip(values, names, strict=True)))
             errors.append(None)
         except ROW_ERRORS as e:
             inputs.append(None)
@@ -534,8 +545,12 @@ def _fixed_size(rows: list[Any], size: int) -> pa.FixedSizeListArray:
     values = np.zeros((len(rows), size), dtype=np.float32)
     mask = np.fromiter((row is None for row in rows), bool, len(rows))
     ok = np.flatnonzero(~mask)
-    if len(ok):  # one copy of every vector (CPU tensors are read without a copy of their own)
-        values[ok] = np.stack([np.asarray(rows[i], dtype=np.float32) for i in ok])
+    if len(ok):
+        picked = [rows[i] for i in ok]
+        if isinstance(picked[0], torch.Tensor):  # `encode`'s host tensors: one stack, one copy
+            values[ok] = torch.stack(picked).to(torch.float32).numpy()
+        else:
+            values[ok] = np.asarray(picked, dtype=np.float32)
     flat = pa.array(values.reshape(-1), pa.float32())
     return pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
 

@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,30 +196,83 @@ class OutputFolder:
             _fsync(self.path)
         finally:
             try:
-                writer.close()  # may fail too (a full disk): the temporary file goes anyway
+                writer.close(flush=False)  # may fail too (a full disk): the file goes anyway
             finally:
                 tmp.unlink(missing_ok=True)
 
 
+ROW_GROUP_BYTES = 64 << 20
+"""Batches are gathered into row groups of about this many bytes (or `ROW_GROUP_ROWS`) before
+they are written: one small row group per batch makes slow writes and slow readers."""
+
+ROW_GROUP_ROWS = 1 << 20
+
+
 class ShardWriter:
-    """Appends batches to one shard's temporary Parquet file, in the declared schema."""
+    """Appends batches to one shard's temporary Parquet file, in the declared schema.
+
+    Batches are gathered into row groups, and each row group is encoded and compressed on
+    a thread of its own (Arrow releases the GIL there) while the engine computes the next
+    rows; at most one row group is being written at a time. `num_rows` counts the rows
+    handed in; all of them are in the file once `close()` returns.
+    """
 
     def __init__(self, path: Path, schema: pa.Schema, compression: str) -> None:
         self.schema = schema
         self.num_rows = 0
         codec = None if compression == "none" else compression
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(path, schema, compression=codec)
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._pending_bytes = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchlm-parquet")
+        self._in_flight: Future[None] | None = None
 
     def write(self, table: pa.Table) -> None:
         if table.schema != self.schema:
             table = table.select(self.schema.names).cast(self.schema)
         assert self._writer is not None, "the shard is already closed"
-        self._writer.write_table(table)
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self._pending_bytes += table.nbytes
         self.num_rows += table.num_rows
+        if self._pending_rows >= ROW_GROUP_ROWS or self._pending_bytes >= ROW_GROUP_BYTES:
+            self._flush()
 
-    def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
+    def _flush(self) -> None:
+        """Hands the gathered batches to the writing thread as one row group (after the
+        row group before it is written: a failed write raises here)."""
+        self._wait()
+        if self._pending and self._writer is not None:
+            merged = pa.concat_tables(self._pending)
+            writer = self._writer
+            self._in_flight = self._thread.submit(
+                writer.write_table, merged, row_group_size=merged.num_rows
+            )
+        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+
+    def _wait(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def close(self, flush: bool = True) -> None:
+        """Writes the rows still gathered (unless `flush=False`: the file is being given up)
+        and closes the file."""
+        writer = self._writer
+        if writer is None:
+            return
+        try:
+            if flush:
+                self._flush()
+                self._wait()
+            else:  # the row group in flight is given up with the file; its error too
+                with contextlib.suppress(Exception):
+                    self._wait()
+        finally:
+            self._writer = None
+            self._pending = []
+            self._thread.shutdown(wait=True)
             writer.close()
 
 

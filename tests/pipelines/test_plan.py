@@ -189,6 +189,49 @@ def test_output_lock_and_atomic_shards(tmp_path):
         OutputFolder(tmp_path / "o", manifest("b")).prepare(overwrite=False)
 
 
+def test_batches_are_gathered_into_row_groups_written_in_order(tmp_path, monkeypatch):
+    from batchlm.pipelines import output
+
+    monkeypatch.setattr(output, "ROW_GROUP_ROWS", 10)
+    out = OutputFolder(tmp_path / "o", manifest())
+    out.prepare(overwrite=False)
+    schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+    with out.shard_writer("part-00000-x", schema) as writer:
+        for start in range(0, 47, 4):  # 12 batches of 4 rows (the last of 3)
+            ids = list(range(start, min(start + 4, 47)))
+            writer.write(pa.table({"id": ids, "text": [str(i) for i in ids]}))
+        assert writer.num_rows == 47
+    written = pq.ParquetFile(out.part_path("part-00000-x"))
+    # Row groups of 12 rows (three batches reach 10) and the last 11 rows at close.
+    sizes = [written.metadata.row_group(i).num_rows for i in range(written.num_row_groups)]
+    assert sizes == [12, 12, 12, 11]
+    table = written.read()
+    assert table.column("id").to_pylist() == list(range(47))
+    assert table.column("text").to_pylist() == [str(i) for i in range(47)]
+    out.close()
+
+
+def test_a_failed_row_group_write_fails_the_shard_and_leaves_no_file(tmp_path, monkeypatch):
+    from batchlm.pipelines import output
+
+    monkeypatch.setattr(output, "ROW_GROUP_ROWS", 2)
+    out = OutputFolder(tmp_path / "o", manifest())
+    out.prepare(overwrite=False)
+    schema = pa.schema([("id", pa.int64())])
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        with out.shard_writer("part-00000-x", schema) as writer:
+            monkeypatch.setattr(writer._writer, "write_table", full_disk)
+            for i in range(3):
+                writer.write(pa.table({"id": [i, i]}))
+    assert not out.is_done("part-00000-x")
+    assert [p.name for p in out.path.iterdir() if p.name.startswith(".tmp-")] == []
+    out.close()
+
+
 # ---- a job over Parquet row-group shards, and --dry-run ---------------------------------------
 
 
