@@ -542,17 +542,22 @@ def _label(index: int, info: ModelInfo, num_labels: int) -> str:
 
 def _fixed_size(rows: list[Any], size: int) -> pa.FixedSizeListArray:
     """Vectors (None for failed rows) as `fixed_size_list<float32>[size]`."""
-    values = np.zeros((len(rows), size), dtype=np.float32)
-    mask = np.fromiter((row is None for row in rows), bool, len(rows))
-    ok = np.flatnonzero(~mask)
-    if len(ok):
-        picked = [rows[i] for i in ok]
-        if isinstance(picked[0], torch.Tensor):  # `encode`'s host tensors: one stack, one copy
-            values[ok] = torch.stack(picked).to(torch.float32).numpy()
-        else:
-            values[ok] = np.asarray(picked, dtype=np.float32)
-    flat = pa.array(values.reshape(-1), pa.float32())
-    return pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
+    failed = [i for i, row in enumerate(rows) if row is None]
+    picked = [row for row in rows if row is not None] if failed else rows
+    if not picked:
+        values = np.zeros((0, size), np.float32)
+    elif isinstance(picked[0], torch.Tensor):  # `encode`'s tensors: one stack, one copy
+        values = torch.stack(picked).to(torch.float32).numpy()
+    else:
+        values = np.asarray(picked, dtype=np.float32)
+    if failed:  # zeros under the null rows
+        mask = np.zeros(len(rows), bool)
+        mask[failed] = True
+        full = np.zeros((len(rows), size), np.float32)
+        full[~mask] = values
+        flat = pa.array(full.reshape(-1), pa.float32())
+        return pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), pa.float32()), size)
 
 
 # ---- the whole batch ------------------------------------------------------------------------
