@@ -55,6 +55,7 @@ __all__ = [
     "choose_moe_launch",
     "fused_moe",
     "fused_moe_ref",
+    "max_padded_slots",
     "route",
     "route_ref",
 ]
