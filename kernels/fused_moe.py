@@ -12,7 +12,7 @@ Routing weights are float32. An expert's output is computed in the activation dt
 scaled by its routing weight and summed over a token's `top_k` experts in float32, then
 rounded once to the activation dtype.
 
-The device path, in four steps:
+The device path, in three steps:
 - `route`: one program per token: softmax over the experts in float32, the `top_k`
   largest by repeated arg-max (ties to the lower id), optional renormalisation;
 - `align_tokens`: the `num_tokens * top_k` (token, slot) pairs grouped by expert, each
