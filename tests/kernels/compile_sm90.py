@@ -117,6 +117,7 @@ def record_all_launches() -> list[_Launch]:
         activation,
         all_reduce,
         decode_attention,
+        fused_moe,
         gemv,
         prefill_attention,
         quant_fp8,
@@ -203,6 +204,27 @@ def record_all_launches() -> list[_Launch]:
                 torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, hidden, dtype=dtype),
                 torch.zeros(hidden, dtype=dtype), 1e-6, 1, *exchange,
             )  # fmt: skip
+    launches += got
+    moe_kernels = ("_route_kernel", "_moe_gate_up_kernel", "_moe_down_kernel", "_sum_slots_kernel")
+    with recording(fused_moe, *moe_kernels) as got:
+        # Qwen3-30B-A3B at batch 1 and in a batch, Mixtral's shape, fp16 and fp32 launches.
+        for tokens, experts, top_k, hidden, inter, dtype in [
+            (1, 128, 8, 2048, 768, bf16),
+            (40, 128, 8, 2048, 768, bf16),
+            (100, 8, 2, 4096, 14336, bf16),
+            (3, 8, 2, 4096, 14336, f16),
+            (70, 64, 6, 2048, 1408, f32),
+        ]:
+            x = torch.zeros(tokens, hidden, dtype=dtype)
+            fused_moe.route(torch.zeros(tokens, experts, dtype=dtype), top_k, True)
+            ids = (torch.arange(tokens * top_k) % experts).reshape(tokens, top_k).int()
+            fused_moe.fused_moe(
+                x,
+                torch.empty(experts, 2 * inter, hidden, dtype=dtype),
+                torch.empty(experts, hidden, inter, dtype=dtype),
+                torch.zeros(tokens, top_k),
+                ids,
+            )
     launches += got
     return launches
 

@@ -29,7 +29,8 @@ def test_kernels_compile_for_sm90():
     compiled = result.stdout.splitlines()
     for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill", "_rotary",
                    "_one_shot_all_reduce", "_gemv", "_quantize_fp8_per_token",
-                   "_silu_and_mul", "_rms_norm", "_rotary_into_cache"):  # fmt: skip
+                   "_silu_and_mul", "_rms_norm", "_rotary_into_cache", "_route",
+                   "_moe_gate_up", "_moe_down", "_sum_slots"):  # fmt: skip
         for pdl in (False, True):
             assert any(line.startswith(kernel) and f"'PDL': {pdl}" in line for line in compiled), (
                 kernel,
