@@ -30,7 +30,9 @@ from torch import nn
 from ..config import QuantizationConfig
 from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
+from ..models.layers.moe import ExpertWeights
 from ..models.layers.norm import Float32ScaledRMSNorm
+from .moe_weights import expert_parts, missing_expert_parts
 from .quantization import (
     SCALE_LEAF,
     checkpoint_param_name,
@@ -157,6 +159,7 @@ def load_weights(
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     renames = tuple(getattr(model, "checkpoint_prefix_renames", ()))
+    replacements = tuple(getattr(model, "checkpoint_name_replacements", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
         name = checkpoint_param_name(checkpoint_name)
@@ -164,12 +167,22 @@ def load_weights(
             if name is not None and name.startswith(old):
                 name = new + name[len(old) :]
                 break
+        for old, new in replacements:
+            if name is not None:
+                name = name.replace(old, new)
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)
             or (tied and name == "lm_head.weight")
             or (ignored_prefixes and name.startswith(ignored_prefixes))
         ):
+            continue
+        experts_path, found, rest = name.partition(".experts.")
+        experts = modules.get(experts_path + ".experts") if found else None
+        if isinstance(experts, ExpertWeights):
+            for part in expert_parts(experts, rest, name):
+                _copy_tensor(name, tensor, part.dest, part.rows, "weight")
+                filled.add(f"{experts_path}.experts.{part.key}")
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
@@ -196,7 +209,10 @@ def load_weights(
     for pname in params:
         module_path, _, leaf = pname.rpartition(".")
         module = modules.get(module_path)
-        if isinstance(module, MergedLinear) and leaf in ("weight", "bias", SCALE_LEAF):
+        if isinstance(module, ExpertWeights):
+            if leaf == "w13":  # both parameters are checked together, once
+                missing.extend(missing_expert_parts(module_path, module, filled))
+        elif isinstance(module, MergedLinear) and leaf in ("weight", "bias", SCALE_LEAF):
             for i in range(len(module.output_sizes)):
                 if f"{pname}#{i}" not in filled:
                     missing.append(f"{pname}[shard {i}]")
