@@ -8,6 +8,8 @@ no tokenizer is needed."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -156,3 +158,41 @@ def test_shared_prefixes_hit_the_prefix_cache(family, moe_model):
     assert llm.llm_engine.stats().prefix_cache_hits >= 7 * 48
     assert run(llm, prompts) == expected
     llm.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_expert_tensors_load_as_per_expert_ones(family, moe_model, tmp_path):
+    """transformers 5.x holds experts fused in memory (`experts.gate_up_proj [E, 2I, H]`,
+    `experts.down_proj [E, H, I]`, Mixtral's block as `mlp`) but saves them one tensor per
+    expert; a checkpoint written from the in-memory state dict loads to the same tokens."""
+    from safetensors.torch import save_file
+
+    model = hf_model(family)
+    state = model.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    shutil.copy(moe_model(family) / "config.json", tmp_path)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    prompts = MIXED[:4]
+    assert run(engine(tmp_path), prompts) == hf_greedy(moe_model(family), prompts, MAX_TOKENS)
+
+
+def test_saved_checkpoints_hold_one_tensor_per_expert(moe_model):
+    from safetensors import safe_open
+
+    with safe_open(str(moe_model("mixtral") / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+
+
+def test_two_ranks_give_the_greedy_tokens_of_one(moe_model):
+    """Each rank holds half of every expert's (and the shared expert's) intermediate rows;
+    the routed and shared partial sums are reduced once, by the next norm."""
+    path = moe_model("qwen2-moe")
+    prompts = MIXED[:4]
+    one = run(engine(path), prompts)
+    two_ranks = engine(path, tensor_parallel_size=2)
+    reduces = two_ranks.collective_rpc(lambda w: w.model.model.layers[0].mlp.reduce_output)
+    assert reduces == [False, False]
+    assert run(two_ranks, prompts) == one
+    two_ranks.shutdown()
