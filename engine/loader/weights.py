@@ -256,16 +256,36 @@ def _is_quantized(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 1 and dtype not in (torch.uint8, torch.bool)
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every parameter with seeded random numbers: normal with `std`, norm weights 1
+    and biases 0 (so activations keep a usual scale), drawn on the CPU in parameter order
+    so that every device gets the same model."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point or param.dtype.itemsize == 1:
+            continue  # quantized weights: left as created (a checkpoint would fill them)
+        leaf = name.rpartition(".")[2]
+        if leaf == "bias":
+            param.data.zero_()
+        elif "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.data.copy_(values)
+
+
 def build_model(
     model_cls: type[nn.Module],
     folder: Path,
     dtype: torch.dtype,
     device: torch.device,
     quantization: QuantizationConfig | None = None,
+    load_format: str = "auto",
     **kwargs,
 ) -> nn.Module:
     """Instantiate without initialising memory, then load the checkpoint into it (and
-    quantize its projections when `quantization` says so)."""
+    quantize its projections when `quantization` says so). With `load_format="dummy"` the
+    weights are seeded random numbers instead and no file of `folder` is read."""
     with torch.device("meta"):
         model = model_cls(**kwargs)
     model = model.to_empty(device=device).to(dtype)
@@ -281,7 +301,10 @@ def build_model(
         create_quantized_weights(model, method, quantization)
     with torch.no_grad():
         packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
-        load_weights(model, iter_checkpoint(folder), packed)
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        else:
+            load_weights(model, iter_checkpoint(folder), packed)
         if method is not None:
             finish_quantization(model, method, quantization)
     # An inference engine's weights never need gradients; as in vLLM, a tensor read from

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from batchlm.engine import LLM, SamplingParams
+from batchlm.engine.errors import InvalidParamError
 
 from .hf_reference import hf_greedy
 from .probes import record_partial_prefills
@@ -196,3 +197,26 @@ def test_two_ranks_give_the_greedy_tokens_of_one(moe_model):
     assert reduces == [False, False]
     assert run(two_ranks, prompts) == one
     two_ranks.shutdown()
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "llama"])
+def test_dummy_weights_need_only_config_json(family, moe_model, tmp_path):
+    """`load_format="dummy"`: the model is built from config.json alone, with seeded random
+    weights (the same on every load), for the MoE families and the dense ones alike."""
+    import transformers
+
+    if family == "llama":
+        config = transformers.LlamaConfig(**TINY_MOE_COMMON, num_hidden_layers=2)
+        config.architectures = ["LlamaForCausalLM"]
+        config.save_pretrained(tmp_path)
+    else:
+        shutil.copy(moe_model(family) / "config.json", tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    first = run(engine(tmp_path, load_format="dummy"), MIXED[:3])
+    assert [len(t) for t in first] == [MAX_TOKENS] * 3
+    assert run(engine(tmp_path, load_format="dummy"), MIXED[:3]) == first
+
+
+def test_an_unknown_load_format_names_the_valid_ones(moe_model):
+    with pytest.raises(InvalidParamError, match="load_format='bogus'.*'auto', 'dummy'"):
+        engine(moe_model("mixtral"), load_format="bogus")
