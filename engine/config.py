@@ -88,6 +88,10 @@ class ModelConfig:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     """End-of-generation ids and default sampling values from the checkpoint's generation
     config (`generation_config=`; empty with "vllm")."""
+    load_format: str = "auto"
+    """`auto` reads the checkpoint's safetensors files; `dummy` (vLLM's name) builds the
+    model from config.json alone with seeded random weights, reading no weight file (for
+    trying out shapes, profiling and tests)."""
 
     @property
     def architecture(self) -> str:

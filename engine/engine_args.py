@@ -66,6 +66,7 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     quantization: str | None = None
+    load_format: str = "auto"
     speculative_config: dict[str, Any] | None = None
     spec_method: str | None = None
     spec_model: str | None = None
@@ -139,6 +140,7 @@ class EngineArgs:
                 convert=self.convert,
                 quantization=quantization,
                 generation_defaults=generation_defaults,
+                load_format=self.load_format,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -466,6 +468,11 @@ class EngineArgs:
                     "them off; drop one of the two"
                 )
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidParamError(
+                f"load_format={self.load_format!r} is not supported; use one of "
+                f"{', '.join(map(repr, LOAD_FORMATS))}"
+            )
 
     def _check_tensor_parallel(self, hf_config: Any, runner_type: str, device: torch.device):
         tp = self.tensor_parallel_size
@@ -488,6 +495,9 @@ class EngineArgs:
         except ValueError as e:
             raise InvalidParamError(str(e)) from e
 
+
+LOAD_FORMATS = ("auto", "dummy")
+"""`auto`: the checkpoint's safetensors files; `dummy`: random weights, from config.json alone."""
 
 LARGE_GPU_BYTES = 70 * 2**30
 """GPUs with at least this much memory (H100, H200, ...) get the larger default budget."""

@@ -30,7 +30,9 @@ from torch import nn
 from ..config import QuantizationConfig
 from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
+from ..models.layers.moe import ExpertWeights
 from ..models.layers.norm import Float32ScaledRMSNorm
+from .moe_weights import expert_parts, missing_expert_parts
 from .quantization import (
     SCALE_LEAF,
     checkpoint_param_name,
@@ -157,6 +159,7 @@ def load_weights(
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     renames = tuple(getattr(model, "checkpoint_prefix_renames", ()))
+    replacements = tuple(getattr(model, "checkpoint_name_replacements", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
         name = checkpoint_param_name(checkpoint_name)
@@ -164,12 +167,22 @@ def load_weights(
             if name is not None and name.startswith(old):
                 name = new + name[len(old) :]
                 break
+        for old, new in replacements:
+            if name is not None:
+                name = name.replace(old, new)
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)
             or (tied and name == "lm_head.weight")
             or (ignored_prefixes and name.startswith(ignored_prefixes))
         ):
+            continue
+        experts_path, found, rest = name.partition(".experts.")
+        experts = modules.get(experts_path + ".experts") if found else None
+        if isinstance(experts, ExpertWeights):
+            for part in expert_parts(experts, rest, name):
+                _copy_tensor(name, tensor, part.dest, part.rows, "weight")
+                filled.add(f"{experts_path}.experts.{part.key}")
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
@@ -196,7 +209,10 @@ def load_weights(
     for pname in params:
         module_path, _, leaf = pname.rpartition(".")
         module = modules.get(module_path)
-        if isinstance(module, MergedLinear) and leaf in ("weight", "bias", SCALE_LEAF):
+        if isinstance(module, ExpertWeights):
+            if leaf == "w13":  # both parameters are checked together, once
+                missing.extend(missing_expert_parts(module_path, module, filled))
+        elif isinstance(module, MergedLinear) and leaf in ("weight", "bias", SCALE_LEAF):
             for i in range(len(module.output_sizes)):
                 if f"{pname}#{i}" not in filled:
                     missing.append(f"{pname}[shard {i}]")
@@ -240,16 +256,36 @@ def _is_quantized(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 1 and dtype not in (torch.uint8, torch.bool)
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every parameter with seeded random numbers: normal with `std`, norm weights 1
+    and biases 0 (so activations keep a usual scale), drawn on the CPU in parameter order
+    so that every device gets the same model."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point or param.dtype.itemsize == 1:
+            continue  # quantized weights: left as created (a checkpoint would fill them)
+        leaf = name.rpartition(".")[2]
+        if leaf == "bias":
+            param.data.zero_()
+        elif "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.data.copy_(values)
+
+
 def build_model(
     model_cls: type[nn.Module],
     folder: Path,
     dtype: torch.dtype,
     device: torch.device,
     quantization: QuantizationConfig | None = None,
+    load_format: str = "auto",
     **kwargs,
 ) -> nn.Module:
     """Instantiate without initialising memory, then load the checkpoint into it (and
-    quantize its projections when `quantization` says so)."""
+    quantize its projections when `quantization` says so). With `load_format="dummy"` the
+    weights are seeded random numbers instead and no file of `folder` is read."""
     with torch.device("meta"):
         model = model_cls(**kwargs)
     model = model.to_empty(device=device).to(dtype)
@@ -265,7 +301,10 @@ def build_model(
         create_quantized_weights(model, method, quantization)
     with torch.no_grad():
         packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
-        load_weights(model, iter_checkpoint(folder), packed)
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        else:
+            load_weights(model, iter_checkpoint(folder), packed)
         if method is not None:
             finish_quantization(model, method, quantization)
     # An inference engine's weights never need gradients; as in vLLM, a tensor read from

@@ -35,16 +35,23 @@ def kv_heads_of(config: Any) -> int:
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
     """Raise when the model's heads or MLP width cannot be split over `tp_size` ranks."""
     heads, kv_heads = config.num_attention_heads, kv_heads_of(config)
-    inter = config.intermediate_size
-    if heads % tp_size or kv_heads % tp_size or inter % tp_size:
+    # MLP widths: the dense one and, for mixture-of-experts families, an expert's and the
+    # shared expert's.
+    widths = {
+        key: value
+        for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+        if (value := getattr(config, key, None))
+    }
+    if heads % tp_size or kv_heads % tp_size or any(w % tp_size for w in widths.values()):
         import math
 
-        common = math.gcd(math.gcd(heads, kv_heads), inter)
+        common = math.gcd(heads, kv_heads, *widths.values())
         sizes = [n for n in range(1, min(common, 16) + 1) if common % n == 0]
+        named = " and ".join(f"{key}={value}" for key, value in widths.items())
         raise ValueError(
             f"tensor_parallel_size={tp_size} must divide the model's attention heads "
             f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}) and "
-            f"intermediate_size={inter}; sizes that do: {sizes}"
+            f"{named}; sizes that do: {sizes}"
         )
 
 
@@ -119,9 +126,11 @@ class LlamaMLP(nn.Module):
         bias: bool = False,
         tp: TPGroup | None = None,
         reduce_output: bool = True,
+        intermediate_size: int | None = None,
     ) -> None:
+        """`intermediate_size`: the MLP's width (None: the config's `intermediate_size`)."""
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, tp)
         self.down_proj = row_parallel_linear(inter, config.hidden_size, bias, tp, reduce_output)
         self.act = SiluAndMul()
@@ -139,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         self_attn: LlamaAttention,
-        mlp: LlamaMLP,
+        mlp: nn.Module,
         config: Any,
         sum_over: TPGroup | None = None,
     ) -> None:
@@ -249,11 +258,18 @@ class LlamaForCausalLM(CausalLM):
                 tp=tp,
                 reduce_output=reduce_output,
             )
-            mlp = LlamaMLP(config, mlp_bias, tp, reduce_output)
+            mlp = self.make_mlp(config, i, mlp_bias, tp, reduce_output)
             layers.append(LlamaDecoderLayer(attn, mlp, config, sum_over))
         self.model = LlamaModel(config, layers, tp, sum_over)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
+
+    def make_mlp(
+        self, config: Any, layer_idx: int, bias: bool, tp: TPGroup | None, reduce_output: bool
+    ) -> nn.Module:
+        """The MLP of layer `layer_idx` (`[n, hidden]` → `[n, hidden]`, a partial sum over
+        the ranks when `reduce_output` is False); mixture-of-experts families override it."""
+        return LlamaMLP(config, bias, tp, reduce_output)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them."""

@@ -109,6 +109,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             quantization=config.model.quantization,
+            load_format=config.model.load_format,
             config=hf_config,
             backend=self.backend,
             max_position=config.model.max_model_len,

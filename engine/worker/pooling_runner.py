@@ -179,7 +179,9 @@ class PoolingRunner:
         cls, kwargs = build_pooling_model_kwargs(
             mc.architecture, mc.hf_config, backend, mc.max_model_len
         )
-        self.model = build_model(cls, Path(mc.path), mc.dtype, self.device, **kwargs)
+        self.model = build_model(
+            cls, Path(mc.path), mc.dtype, self.device, load_format=mc.load_format, **kwargs
+        )
         st = read_sentence_transformers_config(Path(mc.path))
         hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
         self.heads = load_pooling_heads(
