@@ -218,8 +218,8 @@ class FullDisk:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             real_write(writer, table)
 
-        def close(writer):
-            real_close(writer)  # the file handle is released either way
+        def close(writer, flush=True):
+            real_close(writer, flush)  # the file handle is released either way
             if disk.is_full:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
