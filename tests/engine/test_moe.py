@@ -166,15 +166,19 @@ def test_fused_expert_tensors_load_as_per_expert_ones(family, moe_model, tmp_pat
     """transformers 5.x holds experts fused in memory (`experts.gate_up_proj [E, 2I, H]`,
     `experts.down_proj [E, H, I]`, Mixtral's block as `mlp`) but saves them one tensor per
     expert; a checkpoint written from the in-memory state dict loads to the same tokens."""
-    from safetensors.torch import save_file
-
-    model = hf_model(family)
-    state = model.state_dict()
-    assert any(name.endswith("experts.gate_up_proj") for name in state)
-    shutil.copy(moe_model(family) / "config.json", tmp_path)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    save_fused(family, moe_model, tmp_path)
     prompts = MIXED[:4]
     assert run(engine(tmp_path), prompts) == hf_greedy(moe_model(family), prompts, MAX_TOKENS)
+
+
+def save_fused(family: str, moe_model, folder) -> None:
+    """The checkpoint as transformers holds it in memory (fused expert tensors)."""
+    from safetensors.torch import save_file
+
+    state = hf_model(family).state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    shutil.copy(moe_model(family) / "config.json", folder)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
 
 
 def test_saved_checkpoints_hold_one_tensor_per_expert(moe_model):
@@ -184,6 +188,16 @@ def test_saved_checkpoints_hold_one_tensor_per_expert(moe_model):
         names = set(f.keys())
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
+
+
+def test_two_ranks_read_their_rows_of_fused_expert_tensors(moe_model, tmp_path):
+    """Each rank slices its intermediate rows out of the fused `gate_up_proj` (gate rows
+    and up rows alike) and `down_proj` columns: Mixtral over two ranks gives HF's tokens."""
+    save_fused("mixtral", moe_model, tmp_path)
+    prompts = MIXED[:4]
+    two_ranks = engine(tmp_path, tensor_parallel_size=2)
+    assert run(two_ranks, prompts) == hf_greedy(moe_model("mixtral"), prompts, MAX_TOKENS)
+    two_ranks.shutdown()
 
 
 def test_two_ranks_give_the_greedy_tokens_of_one(moe_model):
