@@ -20,12 +20,11 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..errors import UnsupportedModelError
-from .base import CausalLM
 from .layers.activation import GeluTanhAndMul
 from .layers.linear import lm_head, vocab_embedding
 from .layers.norm import Float32ScaledRMSNorm
 from .layers.rotary import RotaryEmbedding, rope_spec_from_config
-from .llama import LlamaAttention, LlamaMLP, check_tensor_parallel, head_dim_of, kv_heads_of
+from .llama import DecoderForCausalLM, LlamaAttention, LlamaMLP, head_dim_of
 
 if TYPE_CHECKING:
     from ..distributed.parallel import TPGroup
@@ -139,7 +138,7 @@ class GemmaModel(nn.Module):
         return scale
 
 
-class Gemma2ForCausalLM(CausalLM):
+class Gemma2ForCausalLM(DecoderForCausalLM):
     """Gemma 2 decoder with the LM head tied to the embedding (unless the config unties it).
 
     Args:
@@ -149,10 +148,6 @@ class Gemma2ForCausalLM(CausalLM):
         tp: Tensor-parallel group; None (or one rank) builds the plain single-device model.
     """
 
-    packed_modules = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
     qk_norm = False
     default_sliding_window_pattern = 2
     """Every other layer is global when the config predates `layer_types`."""
@@ -170,10 +165,7 @@ class Gemma2ForCausalLM(CausalLM):
                 "use_bidirectional_attention=True (EmbeddingGemma) is not supported: batchlm "
                 "runs Gemma as a causal decoder; load a checkpoint with causal attention"
             )
-        self.config = config
-        self.tp_size = tp.world_size if tp is not None else 1
-        if self.tp_size > 1:
-            check_tensor_parallel(config, self.tp_size)
+        self.set_config(config, tp)
         head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
         rotaries = self.rotary_embeddings(config, head_dim, max_position)
@@ -210,21 +202,9 @@ class Gemma2ForCausalLM(CausalLM):
     def attention_softcap(config: Any) -> float | None:
         return getattr(config, "attn_logit_softcapping", None) or None
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config ties them."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids, positions, kv_caches, metadata):
-        return self.model(input_ids, positions, kv_caches, metadata)
-
     def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         logits = self.lm_head(hidden_states)
         cap = self.final_logit_softcap
         if cap:  # in the logits' dtype, as Hugging Face caps them
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if upcast else logits
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, kv_heads_of(c) // self.tp_size, head_dim_of(c)

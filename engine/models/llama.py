@@ -206,7 +206,52 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(CausalLM):
+class DecoderForCausalLM(CausalLM):
+    """What the decoder families share: `self.model` (embedding, layers, final norm) under
+    an LM head `self.lm_head`, tied to the embedding when the config says so, the KV cache
+    of `config`'s heads split over the tensor-parallel ranks.
+
+    A family's `__init__` calls `set_config`, builds `self.model` and `self.lm_head`, then
+    `tie_weights()`.
+    """
+
+    packed_modules = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def set_config(self, config: Any, tp: TPGroup | None) -> None:
+        """Keeps `config` and the group's size; checks the heads and widths divide by it."""
+        self.config = config
+        self.tp_size = tp.world_size if tp is not None else 1
+        if self.tp_size > 1:
+            check_tensor_parallel(config, self.tp_size)
+
+    def rotary_embedding(self, config: Any, max_position: int) -> RotaryEmbedding:
+        """The rotary embedding of `config`'s heads; sets `long_context_len` from it."""
+        head_dim = head_dim_of(config)
+        rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
+        self.long_context_len = rotary.long_context_len
+        return rotary
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, metadata):
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden_states)
+        return logits.float() if upcast else logits
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, kv_heads_of(c) // self.tp_size, head_dim_of(c)
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
     """Llama / Mistral decoder with an LM head (tied to the embedding when the config says so).
 
     Args:
@@ -216,10 +261,6 @@ class LlamaForCausalLM(CausalLM):
         tp: Tensor-parallel group; None (or one rank) builds the plain single-device model.
     """
 
-    packed_modules = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
     qkv_bias = False
     qk_norm = False
 
@@ -231,13 +272,8 @@ class LlamaForCausalLM(CausalLM):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.tp_size = tp.world_size if tp is not None else 1
-        if self.tp_size > 1:
-            check_tensor_parallel(config, self.tp_size)
-        head_dim = head_dim_of(config)
-        rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
-        self.long_context_len = rotary.long_context_len
+        self.set_config(config, tp)
+        rotary = self.rotary_embedding(config, max_position)
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         # Under tensor parallelism the norms sum the row-parallel outputs (one kernel with
@@ -271,26 +307,10 @@ class LlamaForCausalLM(CausalLM):
         the ranks when `reduce_output` is False); mixture-of-experts families override it."""
         return LlamaMLP(config, bias, tp, reduce_output)
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config ties them."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     @staticmethod
     def sliding_window_of(config: Any, layer_idx: int) -> int | None:
         """Window of layer `layer_idx`, or None for full attention."""
         return getattr(config, "sliding_window", None) or None
-
-    def forward(self, input_ids, positions, kv_caches, metadata):
-        return self.model(input_ids, positions, kv_caches, metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        return logits.float() if upcast else logits
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, kv_heads_of(c) // self.tp_size, head_dim_of(c)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

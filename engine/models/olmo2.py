@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
-from .base import CausalLM
 from .layers.attention import Attention
 from .layers.linear import MergedLinear, lm_head, row_parallel_linear, vocab_embedding
 from .layers.norm import Float32ScaledRMSNorm
-from .layers.rotary import RotaryEmbedding, rope_spec_from_config
-from .llama import LlamaMLP, check_tensor_parallel, head_dim_of, kv_heads_of
+from .layers.rotary import RotaryEmbedding
+from .llama import DecoderForCausalLM, LlamaMLP, head_dim_of, kv_heads_of
 
 if TYPE_CHECKING:
     from ..distributed.parallel import TPGroup
@@ -118,7 +117,7 @@ class Olmo2Model(nn.Module):
         return self.norm(hidden_states)
 
 
-class Olmo2ForCausalLM(CausalLM):
+class Olmo2ForCausalLM(DecoderForCausalLM):
     """OLMo 2 decoder with an LM head (tied to the embedding when the config says so).
 
     Args:
@@ -128,11 +127,6 @@ class Olmo2ForCausalLM(CausalLM):
         tp: Tensor-parallel group; None (or one rank) builds the plain single-device model.
     """
 
-    packed_modules = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-
     def __init__(
         self,
         config: Any,
@@ -141,13 +135,8 @@ class Olmo2ForCausalLM(CausalLM):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.tp_size = tp.world_size if tp is not None else 1
-        if self.tp_size > 1:
-            check_tensor_parallel(config, self.tp_size)
-        head_dim = head_dim_of(config)
-        rotary = RotaryEmbedding(rope_spec_from_config(config, head_dim), head_dim, max_position)
-        self.long_context_len = rotary.long_context_len
+        self.set_config(config, tp)
+        rotary = self.rotary_embedding(config, max_position)
         layers = [
             Olmo2DecoderLayer(
                 Olmo2Attention(config, rotary, backend, tp), LlamaMLP(config, tp=tp), config
@@ -157,19 +146,3 @@ class Olmo2ForCausalLM(CausalLM):
         self.model = Olmo2Model(config, layers, tp)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config ties them."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids, positions, kv_caches, metadata):
-        return self.model(input_ids, positions, kv_caches, metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        return logits.float() if upcast else logits
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, kv_heads_of(c) // self.tp_size, head_dim_of(c)
