@@ -81,3 +81,19 @@ class Recorder:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
             with self.out_path.open("a") as f:
                 f.write(line + "\n")
+
+
+def run_job_on(llm, job) -> tuple[float, object]:
+    """Runs `job` (a `JobSpec`) with `llm` as its engine, so that load time is out of the
+    figure; returns the job's seconds and its summary."""
+    from batchlm.operators.config import OperatorConfig
+    from batchlm.pipelines import run_job
+
+    build = OperatorConfig.build_llm
+    OperatorConfig.build_llm = lambda self: llm  # type: ignore[method-assign]
+    try:
+        with Timer() as t:
+            summary = run_job(job, progress=False)
+    finally:
+        OperatorConfig.build_llm = build  # type: ignore[method-assign]
+    return t.seconds, summary

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import Recorder, Timer
+from common import Recorder, Timer, run_job_on
 from w4_embed import MODEL, make_texts, random_weight_model
 
 from batchlm.engine import LLM
-from batchlm.operators.config import OperatorConfig
-from batchlm.pipelines import JobSpec, run_job
+from batchlm.pipelines import JobSpec
 
 
 def main() -> None:
@@ -65,11 +64,7 @@ def main() -> None:
                 "batch_size": args.batch_size,
             }
         )
-        # The job's runner takes the engine already built: load time is out of the figure.
-        OperatorConfig.build_llm = lambda self: llm  # type: ignore[method-assign]
-        with Timer() as t:
-            run_job(job, progress=False)
-        job_s = t.seconds
+        job_s, _ = run_job_on(llm, job)
         written = pq.read_table(Path(tmp) / "out", columns=["id", "embedding", "error"])
         assert written.num_rows == len(texts) and written.column("error").null_count == len(texts)
         assert written.schema.field("embedding").type == pa.list_(pa.float32(), dim)

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import Recorder, Timer
+from common import Recorder, Timer, run_job_on
 
 from batchlm.engine import LLM, SamplingParams
-from batchlm.operators.config import OperatorConfig
-from batchlm.pipelines import JobSpec, run_job
+from batchlm.pipelines import JobSpec
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -110,12 +109,8 @@ def main() -> None:
                 "batch_size": args.batch_size,
             }
         )
-        # The job's runner takes the engine already built: load time is out of the figure.
-        OperatorConfig.build_llm = lambda self: llm  # type: ignore[method-assign]
         llm.reset_prefix_cache()
-        with Timer() as t:
-            summary = run_job(job, progress=False)
-        job_s = t.seconds
+        job_s, summary = run_job_on(llm, job)
         written = pq.read_table(Path(tmp) / "out")
         job_tokens = sum(written.column("num_output_tokens").to_pylist())
         assert written.num_rows == num_rows and written.column("error").null_count == num_rows
