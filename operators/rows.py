@@ -292,7 +292,8 @@ def check_columns(spec: RowSpec, names: Sequence[str]) -> None:
 
 def _row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | None]]:
     """Per row: the engine input (None where the row is already an error) and its error."""
-    columns = [column_values(table.column(c)) for c in spec.input_columns]
+    names = spec.input_columns
+    columns = [column_values(table.column(c)) for c in names]
     parse: Callable[..., Any]
     if spec.task == "generate":
         parse = prompt_cell
@@ -302,7 +303,6 @@ def _row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | N
         parse = text_or_token_ids_cell
     else:
         parse = text_cell
-    names = spec.input_columns
     inputs: list[Any] = []
     errors: list[str | None] = []
     if len(names) == 1:  # one Python call per row: embedding jobs read millions of rows
@@ -550,14 +550,15 @@ def _fixed_size(rows: list[Any], size: int) -> pa.FixedSizeListArray:
         values = torch.stack(picked).to(torch.float32).numpy()
     else:
         values = np.asarray(picked, dtype=np.float32)
-    if failed:  # zeros under the null rows
-        mask = np.zeros(len(rows), bool)
-        mask[failed] = True
+    mask = None
+    if failed:  # null rows, with zeros under them
+        is_null = np.zeros(len(rows), bool)
+        is_null[failed] = True
         full = np.zeros((len(rows), size), np.float32)
-        full[~mask] = values
-        flat = pa.array(full.reshape(-1), pa.float32())
-        return pa.FixedSizeListArray.from_arrays(flat, size, mask=pa.array(mask))
-    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), pa.float32()), size)
+        full[~is_null] = values
+        values, mask = full, pa.array(is_null)
+    flat = pa.array(values.reshape(-1), pa.float32())
+    return pa.FixedSizeListArray.from_arrays(flat, size, mask=mask)
 
 
 # ---- the whole batch ------------------------------------------------------------------------
