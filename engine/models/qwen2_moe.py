@@ -61,15 +61,20 @@ class SharedExpertMoE(FusedMoE):
         return self.reduce(self.expert_sum(x) + shared)
 
 
+def qwen_moe_mlp(
+    config: Any, layer_idx: int, bias: bool, tp: TPGroup | None, reduce_output: bool
+) -> nn.Module:
+    """The MLP of a Qwen MoE layer: dense off the sparse layers, else the routed experts
+    (with the shared expert when the config has one: Qwen2-MoE)."""
+    if not is_sparse_layer(config, layer_idx):
+        return LlamaMLP(config, bias, tp, reduce_output)
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        return SharedExpertMoE(config, tp, reduce_output)
+    return FusedMoE(**routed_experts_kwargs(config), tp=tp, reduce_output=reduce_output)
+
+
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
-    def make_mlp(
-        self, config: Any, layer_idx: int, bias: bool, tp: TPGroup | None, reduce_output: bool
-    ) -> nn.Module:
-        if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config, bias, tp, reduce_output)
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            return SharedExpertMoE(config, tp, reduce_output)
-        return FusedMoE(**routed_experts_kwargs(config), tp=tp, reduce_output=reduce_output)
+    make_mlp = staticmethod(qwen_moe_mlp)
 
     @staticmethod
     def sliding_window_of(config: Any, layer_idx: int) -> int | None:
