@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from . import envs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
@@ -89,7 +90,7 @@ class PoolingMixin:
             self._record_pooling(inputs, start)
             return [
                 EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), ids)
-                for v, ids in zip(vectors, inputs.prompt_token_ids(), strict=True)
+                for v, ids in zip(_rows(vectors), inputs.prompt_token_ids(), strict=True)
             ]
 
     def classify(
@@ -219,7 +220,7 @@ class PoolingMixin:
             self._record_pooling(inputs, start)
             return [
                 PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
-                for d, ids in zip(data, inputs.prompt_token_ids(), strict=True)
+                for d, ids in zip(_rows(data), inputs.prompt_token_ids(), strict=True)
             ]
 
     @contextlib.contextmanager
@@ -340,8 +341,8 @@ class PoolingMixin:
                 if start + chunk < n:
                     future = helper.submit(prepare, start + chunk)
                 parts.append(chunk_inputs)
-                results.extend(run(chunk_inputs, chunk_params))
-        return PackedInputs.concat(parts), results
+                results.append(run(chunk_inputs, chunk_params))
+        return PackedInputs.concat(parts), _join_results(results)
 
     def _tokenize_chunk_size(self) -> int | None:
         """Prompts per tokenization chunk, or None to tokenize a call at once (CPU: the
@@ -506,6 +507,22 @@ class PoolingMixin:
             raise InvalidPromptError(
                 f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
             )
+
+
+def _join_results(parts: list[Any]) -> Any:
+    """The results of a call's chunks as one: a matrix when every chunk gave one (rows in
+    input order), else a list with an item per input."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return [item for part in parts for item in part]
+
+
+def _rows(results: torch.Tensor | list[Any]) -> Sequence[Any]:
+    """One item per input: a matrix's rows as numpy views (an output makes its list or
+    tensor from one when it is read), else the list as it is."""
+    if isinstance(results, torch.Tensor):
+        return list(results.numpy())
+    return results
 
 
 def _num_prompts(prompts: Any) -> int:

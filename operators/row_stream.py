@@ -33,10 +33,11 @@ from .rows import (
     submit_rows,
 )
 
-POOLING_ROWS_PER_CALL = 16384
+POOLING_ROWS_PER_CALL = 65536
 """Most rows of consecutive batches merged into one pooling call: enough for full token
-budgets on a large GPU, few enough that results reach the caller (and the output files)
-steadily."""
+budgets on a large GPU and for the engine to tokenize one part of the call while the device
+runs another (calls of more than two of its tokenization chunks), few enough that results
+reach the caller (and the output files) steadily."""
 
 
 class _Batch:

@@ -91,7 +91,10 @@ def main() -> None:
     else:
         llm.embed(texts[:256], use_tqdm=False)
         llm.encode(texts[:256], use_tqdm=False, pooling_task="embed")
+        packed, params = llm._pooling_inputs(texts, None, None)
+        runner = llm.llm_engine.pooling_runner
         runs = [
+            ("runner.embed on tokenized inputs", lambda: runner.embed(packed, params)),
             ("embed (lists)", lambda: llm.embed(texts, use_tqdm=False)),
             ("encode (tensors)", lambda: llm.encode(texts, use_tqdm=False, pooling_task="embed")),
         ]

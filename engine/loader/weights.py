@@ -258,9 +258,11 @@ def _is_quantized(dtype: torch.dtype) -> bool:
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Fill every parameter with seeded random numbers: normal with `std`, norm weights 1
-    and biases 0 (so activations keep a usual scale), drawn on the CPU in parameter order
-    so that every device gets the same model."""
-    gen = torch.Generator().manual_seed(seed)
+    and biases 0 (so activations keep a usual scale). They are drawn where the parameter
+    lives (a 30B model's weights take seconds on a GPU, minutes through the CPU), from one
+    generator per device seeded with `seed`, in parameter order: every load gives the same
+    model, and so does every tensor-parallel rank for the parameters they share."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if not param.dtype.is_floating_point or param.dtype.itemsize == 1:
             continue  # quantized weights: left as created (a checkpoint would fill them)
@@ -270,8 +272,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         elif "norm" in name:
             param.data.fill_(1.0)
         else:
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-            param.data.copy_(values)
+            device = param.device
+            if device not in gens:
+                gens[device] = torch.Generator(device=device).manual_seed(seed)
+            param.data.normal_(0.0, std, generator=gens[device])
 
 
 def build_model(

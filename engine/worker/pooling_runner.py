@@ -303,23 +303,38 @@ class PoolingRunner:
         self,
         inputs: PackedInputs | Sequence[PoolingInput],
         params: list[PoolingParams],
-    ) -> list[torch.Tensor]:
-        """One float32 vector per input (normalised / truncated per its params): CPU tensors,
-        views of one host copy per batch."""
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Float32 vectors on the host (normalised / truncated per their params), row i for
+        input i: one `[num_inputs, dim]` tensor when every input asks for the same
+        dimensions and normalisation (the usual case: each batch's vectors are copied
+        from the device once and scattered into it, with no object per input), else one
+        vector per input."""
         if self.is_late_interaction:
             raise InvalidParamError(
                 "this late-interaction (ColBERT) model gives one vector per token, not one per "
                 "input; use encode(pooling_task='token_embed') or score()"
             )
+        keys = []
         for i, p in enumerate(params):
             if p.dimensions is not None and not self.is_matryoshka:
                 raise InvalidParamError(
                     f"dimensions={p.dimensions} (input {i}) needs a matryoshka model; this one "
                     "declares no matryoshka_dimensions in config.json, so drop dimensions="
                 )
+            normalize = self.default_normalize if p.normalize is None else p.normalize
+            keys.append((p.dimensions, normalize))
+        distinct = set(keys)
+        matrix: np.ndarray | None = None  # the one-key result, made at the first batch
         out: list[torch.Tensor | None] = [None] * len(inputs)
 
         def finish(batch: list[int], groups: list[list[int]], copy: _HostCopy) -> None:
+            nonlocal matrix
+            if len(distinct) == 1:  # one group, the whole batch
+                (host,) = copy.wait()
+                if matrix is None:
+                    matrix = np.empty((len(inputs), host.shape[1]), np.float32)
+                matrix[np.asarray(batch, np.int64)] = host.numpy()
+                return
             for rows, host in zip(groups, copy.wait_pageable(), strict=True):
                 for row, vector in zip(rows, host.unbind(0), strict=True):
                     out[batch[row]] = vector
@@ -332,10 +347,11 @@ class PoolingRunner:
             # Rows sharing (dimensions, normalize) are processed together, on the device,
             # and copied to the host once per batch.
             by_key: dict[tuple[int | None, bool], list[int]] = {}
-            for row, i in enumerate(batch):
-                p = params[i]
-                normalize = self.default_normalize if p.normalize is None else p.normalize
-                by_key.setdefault((p.dimensions, normalize), []).append(row)
+            if len(distinct) == 1:
+                by_key[keys[0]] = list(range(len(batch)))
+            else:
+                for row, i in enumerate(batch):
+                    by_key.setdefault(keys[i], []).append(row)
             results = []
             for (dims, normalize), rows in by_key.items():
                 vecs = pooled if len(rows) == len(batch) else pooled[rows]
@@ -355,6 +371,10 @@ class PoolingRunner:
             pending = (batch, list(by_key.values()), copy)
         if pending is not None:
             finish(*pending)
+        if len(distinct) == 1:
+            if matrix is None:  # no inputs
+                return torch.empty(0, 0)
+            return torch.from_numpy(matrix)
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
