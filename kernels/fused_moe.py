@@ -1,29 +1,33 @@
-"""Mixture-of-experts: routing, token-to-expert grouping and the grouped expert GEMMs.
+"""Mixture-of-experts: the grouped expert GEMMs over tokens routed and grouped by
+`kernels/moe_routing.py`.
 
-The plain-PyTorch references below define the results; the Triton kernels beside them
-compute the same on the device with no host synchronisation (so they run in CUDA graphs).
+The plain-PyTorch reference below defines the result; the Triton kernels beside it compute
+the same on the device with no host synchronisation (so they run in CUDA graphs).
 
 Layout of the stacked expert weights (what the model layer holds):
 - `w13`: `[num_experts, 2 * inter, hidden]`, each expert's gate rows then its up rows
   (`[gate | up]`, as `SiluAndMul` reads them);
 - `w2`: `[num_experts, hidden, inter]`, each expert's down projection.
 
+Both may be float8_e4m3fn with one float32 scale per expert and output channel
+(`w13_scale [num_experts, 2 * inter]`, `w2_scale [num_experts, hidden]`): weight-only fp8.
+The kernels load fp8 tiles (half the bytes of a decode step's expert reads), convert them
+to the activation dtype for the dot (exact: every e4m3 value is a bfloat16 / float16 one)
+and multiply the float32 accumulator by the scales in the epilogue; the reference
+dequantises each expert's weights to the activation dtype instead (the same up to the
+rounding of the dequantised weights).
+
 Routing weights are float32. An expert's output is computed in the activation dtype,
 scaled by its routing weight and summed over a token's `top_k` experts in float32, then
 rounded once to the activation dtype.
 
-The device path, in three steps:
-- `route`: one program per token: softmax over the experts in float32, the `top_k`
-  largest by repeated arg-max (ties to the lower id), optional renormalisation;
-- `align_tokens`: the `num_tokens * top_k` (token, slot) pairs grouped by expert, each
-  group padded to a multiple of `block_m` with the sentinel `num_tokens * top_k`, with
-  PyTorch ops of fixed sizes (no host synchronisation; buffers sized for the worst case);
-- `fused_moe`'s kernel A: per block of `block_m` sorted slots of one expert,
-  `silu(x @ gate.T) * (x @ up.T)` with SiLU-and-mul in the GEMM's epilogue, into an
-  intermediate buffer in the activation dtype; kernel B: that times `w2[e].T`, scaled by the
-  routing weight, per slot into a float32 buffer; then a last kernel sums each token's
-  `top_k` slots in a fixed order (j = 0 .. top_k - 1, no atomics: deterministic) and rounds
-  once. Blocks past the padded total (their expert is -1) exit at once.
+The device path after `route` and `align_tokens`: kernel A (`moe_gate_up`): per block of
+`block_m` sorted slots of one expert, `silu(x @ gate.T) * (x @ up.T)` with SiLU-and-mul in
+the GEMM's epilogue, into an intermediate buffer in the activation dtype; kernel B
+(`moe_down`): that times `w2[e].T`, scaled by the routing weight, per slot into a float32
+buffer; then a last kernel sums each token's `top_k` slots in a fixed order (j = 0 ..
+top_k - 1, no atomics: deterministic) and rounds once. Blocks past the padded total (their
+expert is -1) exit at once. Launches come from `kernels/moe_launch.py`.
 """
 
 from __future__ import annotations
@@ -39,52 +43,36 @@ from .launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     cdiv,
-    check_num_stages,
-    check_power_of_2,
+    check_fp8_supported,
     check_same_device,
     check_tensor,
     dot_dtype,
     next_power_of_2,
 )
+from .moe_launch import (
+    MoeLaunch,
+    MoeLaunches,
+    MoeShape,
+    check_launches,
+    choose_moe_launch,
+    device_name,
+)
+from .moe_routing import align_tokens
 from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
-    "MoeLaunch",
-    "align_tokens",
-    "align_tokens_ref",
-    "choose_moe_launch",
+    "FP8_WEIGHT_DTYPE",
+    "ExpertGrouping",
+    "check_moe_weights",
+    "dtype_name",
     "fused_moe",
     "fused_moe_ref",
-    "max_padded_slots",
-    "route",
-    "route_ref",
+    "moe_down",
+    "moe_gate_up",
 ]
 
-
-def route_ref(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts (in float32), the `top_k` largest, optionally renormalised
-    to sum to 1.
-
-    Ties are broken towards the lower expert id.
-
-    Args:
-        router_logits: `[num_tokens, num_experts]`, any float dtype.
-        top_k: Experts per token.
-        renormalize: Divide the chosen weights by their sum (Mixtral; Qwen3-MoE's
-            `norm_topk_prob`).
-
-    Returns:
-        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int32)`,
-        each row in descending weight order.
-    """
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.contiguous(), ids.to(torch.int32).contiguous()
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+"""The quantized expert weights' dtype."""
 
 
 def fused_moe_ref(
@@ -93,16 +81,21 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` for every token `t`,
     where `expert_e(x) = (silu(x @ gate_e.T) * (x @ up_e.T)) @ w2[e].T`.
 
     Args:
         hidden: `[num_tokens, hidden]`.
-        w13: `[num_experts, 2 * inter, hidden]`, same dtype as `hidden`.
-        w2: `[num_experts, hidden, inter]`, same dtype as `hidden`.
+        w13: `[num_experts, 2 * inter, hidden]`, `hidden`'s dtype or float8_e4m3fn.
+        w2: `[num_experts, hidden, inter]`, `w13`'s dtype.
         topk_weights: `[num_tokens, top_k]` float32.
         topk_ids: `[num_tokens, top_k]` int32 / int64.
+        w13_scale: With fp8 weights, `[num_experts, 2 * inter]` float32.
+        w2_scale: With fp8 weights, `[num_experts, hidden]` float32.
 
     Returns:
         `[num_tokens, hidden]` in `hidden`'s dtype.
@@ -115,251 +108,29 @@ def fused_moe_ref(
         slots = torch.nonzero(flat_ids == expert).squeeze(-1)  # token * top_k + j
         tokens = slots // top_k
         x = hidden[tokens]
-        gate_up = x @ w13[expert].t()
+        up_down = [w13[expert], w2[expert]]
+        if w13_scale is not None and w2_scale is not None:  # only the experts used
+            up_down = [
+                (w.float() * s[expert, :, None]).to(hidden.dtype)
+                for w, s in zip(up_down, (w13_scale, w2_scale), strict=True)
+            ]
+        gate_up = x @ up_down[0].t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[expert].t()
+        y = act @ up_down[1].t()
         weight = topk_weights.reshape(-1)[slots].unsqueeze(-1)
         out.index_add_(0, tokens, y.float() * weight)
     return out.to(hidden.dtype)
 
 
 # ---------------------------------------------------------------------------------------
-# Routing
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr,  # [num_tokens, num_experts]
-    weights_ptr,  # [num_tokens, TOP_K] float32
-    ids_ptr,  # [num_tokens, TOP_K] int32
-    num_experts,
-    stride_l,
-    TOP_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < num_experts
-    x = tl.load(logits_ptr + row * stride_l + offs_e, mask=e_mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    # Probabilities are >= 0: -1 marks the lanes past num_experts and the experts taken.
-    p = tl.where(e_mask, p, -1.0)
-    offs_j = tl.arange(0, BLOCK_TOPK)
-    weights = tl.zeros([BLOCK_TOPK], tl.float32)
-    ids = tl.zeros([BLOCK_TOPK], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        expert = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # ties: lower id
-        weights = tl.where(offs_j == j, best, weights)
-        ids = tl.where(offs_j == j, expert, ids)
-        p = tl.where(offs_e == expert, -1.0, p)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)  # lanes past TOP_K hold 0
-    j_mask = offs_j < TOP_K
-    tl.store(weights_ptr + row * TOP_K + offs_j, weights, mask=j_mask)
-    tl.store(ids_ptr + row * TOP_K + offs_j, ids, mask=j_mask)
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_ref` in one kernel (one program per token).
-
-    Args:
-        router_logits: `[num_tokens, num_experts]`, float32 / float16 / bfloat16.
-        top_k: Experts per token, in `[1, num_experts]`.
-        renormalize: Divide the chosen weights by their sum.
-
-    Returns:
-        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int32)`,
-        each row in descending weight order, ties towards the lower expert id.
-    """
-    check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
-    num_tokens, num_experts = router_logits.shape
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k!r} must be an integer in [1, {num_experts}] (experts)")
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize={renormalize!r} must be True or False")
-    device = check_same_device(_route_kernel, router_logits=router_logits)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    if num_tokens:
-        block_e = next_power_of_2(num_experts)
-        _route_kernel[(num_tokens,)](
-            router_logits,
-            weights,
-            ids,
-            num_experts,
-            router_logits.stride(0),
-            TOP_K=top_k,
-            BLOCK_TOPK=next_power_of_2(top_k),
-            BLOCK_E=block_e,
-            RENORMALIZE=renormalize,
-            num_warps=4 if block_e <= 512 else 8,
-            **launch_options(_route_kernel, device),
-        )
-    return weights, ids
-
-
-# ---------------------------------------------------------------------------------------
-# Grouping the (token, slot) pairs by expert
-
-
-def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
-    """The size of `align_tokens`' `sorted_slots`: every slot plus at most `block_m - 1`
-    padding for each expert that receives one (at most `min(num_slots, num_experts)` do),
-    rounded up to `block_m`. Depends on sizes only, never on the routing."""
-    worst = num_slots + min(num_slots, num_experts) * (block_m - 1)
-    return cdiv(worst, block_m) * block_m
-
-
-def align_tokens(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the `num_tokens * top_k` slots (`token * top_k + j`) by expert, each group
-    padded to a multiple of `block_m`, on the device and with no host synchronisation.
-
-    Plain PyTorch ops of sizes fixed by the shapes (a stable sort, cumulative sums, a
-    scatter), so it is also its own CPU reference. `topk_ids` must lie in
-    `[0, num_experts)` (not checked: that would synchronise).
-
-    Args:
-        topk_ids: `[num_tokens, top_k]` int32 / int64.
-        num_experts: Experts in the layer.
-        block_m: Rows per GEMM block, a power of two.
-
-    Returns:
-        - `sorted_slots` int32 `[max_padded_slots(num_tokens * top_k, num_experts,
-          block_m)]`: expert 0's slots (ascending), padded with the sentinel
-          `num_tokens * top_k` to a multiple of `block_m`, then expert 1's, ...; the
-          sentinel also fills everything past the padded total;
-        - `expert_of_block` int32 `[len(sorted_slots) // block_m]`: each block's expert,
-          -1 for the blocks past the padded total;
-        - `num_padded` int32 `[1]`: the padded total.
-    """
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, last_dim_contiguous=False)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
-    check_power_of_2("block_m", block_m, 1, 1024, "slots per GEMM block")
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_slots = flat.numel()
-    size = max_padded_slots(num_slots, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + (block_m - 1)) // block_m * block_m
-    padded_ends = torch.cumsum(padded, 0)
-    padded_starts = padded_ends - padded
-    count_starts = torch.cumsum(counts, 0) - counts
-    # A stable sort keeps each expert's slots in ascending order.
-    sorted_ids, order = torch.sort(flat, stable=True)
-    rank = torch.arange(num_slots, device=device) - count_starts[sorted_ids]
-    dest = padded_starts[sorted_ids] + rank
-    sorted_slots = torch.full((size,), num_slots, dtype=torch.int32, device=device)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, size, block_m, device=device)
-    expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True)
-    num_padded = padded_ends[-1:]
-    expert_of_block = torch.where(block_starts < num_padded, expert_of_block, -1)
-    return sorted_slots, expert_of_block.to(torch.int32), num_padded.to(torch.int32)
-
-
-def align_tokens_ref(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`align_tokens` with a Python loop over the experts (synchronises; for tests)."""
-    flat = topk_ids.reshape(-1).long().cpu()
-    num_slots = flat.numel()
-    size = max_padded_slots(num_slots, num_experts, block_m)
-    slots: list[int] = []
-    experts: list[int] = []
-    for expert in range(num_experts):
-        mine = torch.nonzero(flat == expert).squeeze(-1).tolist()
-        if not mine:
-            continue
-        pad = -len(mine) % block_m
-        slots += mine + [num_slots] * pad
-        experts += [expert] * ((len(mine) + pad) // block_m)
-    num_padded = len(slots)
-    slots += [num_slots] * (size - num_padded)
-    experts += [-1] * (size // block_m - len(experts))
-    device = topk_ids.device
-    return (
-        torch.tensor(slots, dtype=torch.int32, device=device),
-        torch.tensor(experts, dtype=torch.int32, device=device),
-        torch.tensor([num_padded], dtype=torch.int32, device=device),
-    )
-
-
-# ---------------------------------------------------------------------------------------
 # The grouped expert GEMMs
-
-
-class MoeLaunch(NamedTuple):
-    block_m: int
-    """Sorted slots per program (each expert's group is padded to a multiple)."""
-    block_n: int
-    """Output features per program."""
-    block_k: int
-    """Input features per loaded tile."""
-    num_warps: int
-    num_stages: int
-
-
-# Launch configurations kept in the repository, by num_tokens (the largest count each row
-# covers), not searched at run time. NOT TUNED YET: Hopper-friendly guesses (a decode step
-# at batch 1 takes narrow M blocks, prefill wide ones) until a sweep on the H200 replaces
-# them.
-_CONFIGS: dict[int | None, MoeLaunch] = {
-    1: MoeLaunch(16, 64, 64, 4, 3),
-    64: MoeLaunch(16, 128, 64, 4, 3),
-    None: MoeLaunch(64, 128, 64, 8, 3),  # more tokens
-}
-
-
-def choose_moe_launch(
-    num_tokens: int,
-    hidden: int,
-    inter: int,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> MoeLaunch:
-    """The launch `fused_moe` makes for `num_tokens` tokens: each None takes its default
-    from `_CONFIGS` (tiles no wider than the layer's sizes need); the rest are validated
-    (`ValueError` naming the bad value)."""
-    default = next(c for n, c in _CONFIGS.items() if n is None or num_tokens <= n)
-    narrow = max(16, next_power_of_2(min(hidden, inter)))
-    launch = MoeLaunch(
-        default.block_m if block_m is None else block_m,
-        min(default.block_n, max(16, next_power_of_2(max(hidden, inter))))
-        if block_n is None
-        else block_n,
-        min(default.block_k, narrow) if block_k is None else block_k,
-        default.num_warps if num_warps is None else num_warps,
-        default.num_stages if num_stages is None else num_stages,
-    )
-    check_power_of_2("block_m", launch.block_m, 16, 256, "sorted slots per program")
-    check_power_of_2("block_n", launch.block_n, 16, 256, "output features per program")
-    check_power_of_2("block_k", launch.block_k, 16, 256, "input features per tile")
-    check_power_of_2("num_warps", launch.num_warps, 1, 16, "warps per program")
-    check_num_stages(launch.num_stages)
-    return launch
 
 
 @triton.jit
 def _moe_gate_up_kernel(
     hidden_ptr,  # [num_tokens, hid]
-    w13_ptr,  # [num_experts, 2 * inter, hid]
+    w13_ptr,  # [num_experts, 2 * inter, hid], activation dtype or float8_e4m3fn
+    w13_scale_ptr,  # [num_experts, 2 * inter] float32 (read when WEIGHT_SCALED)
     act_ptr,  # [len(sorted_slots), inter], activation dtype
     sorted_slots_ptr,
     expert_of_block_ptr,
@@ -369,16 +140,19 @@ def _moe_gate_up_kernel(
     stride_hm,
     stride_we,
     stride_wn,
+    stride_se,
     stride_am,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    WEIGHT_SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`act[r] = silu(x @ gate.T) * (x @ up.T)` for the sorted rows `r` of one block, with
-    `x = hidden[sorted_slots[r] // TOP_K]` (0 for the padding)."""
+    `x = hidden[sorted_slots[r] // TOP_K]` (0 for the padding). fp8 weights are converted
+    to `DOT_DTYPE` tile by tile; their scales multiply the float32 accumulators."""
     wait_for_previous_kernel(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid_m)
@@ -406,6 +180,10 @@ def _moe_gate_up_kernel(
         x = x.to(DOT_DTYPE)
         acc_gate = tl.dot(x, w_gate.to(DOT_DTYPE), acc_gate, input_precision="ieee")
         acc_up = tl.dot(x, w_up.to(DOT_DTYPE), acc_up, input_precision="ieee")
+    if WEIGHT_SCALED:  # one scale per output channel: (x q^T) s = x (q s)^T
+        scales = w13_scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        acc_gate *= tl.load(scales, mask=n_mask, other=0.0)[None, :]
+        acc_up *= tl.load(scales + inter, mask=n_mask, other=0.0)[None, :]
     # Round like the reference: gate|up in the activation dtype, silu rounded, the product.
     act_ty = act_ptr.dtype.element_ty
     gate = acc_gate.to(act_ty).to(tl.float32)
@@ -421,7 +199,8 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     act_ptr,  # [len(sorted_slots), inter]
-    w2_ptr,  # [num_experts, hid, inter]
+    w2_ptr,  # [num_experts, hid, inter], activation dtype or float8_e4m3fn
+    w2_scale_ptr,  # [num_experts, hid] float32 (read when WEIGHT_SCALED)
     out_ptr,  # [num_slots, hid] float32
     topk_weights_ptr,  # [num_slots] float32
     sorted_slots_ptr,
@@ -432,11 +211,13 @@ def _moe_down_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    WEIGHT_SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """`out[slot] = weight[slot] * (act[r] @ w2[e].T)` for the sorted rows `r` of one block
@@ -461,6 +242,9 @@ def _moe_down_kernel(
         a = tl.load(a_rows + ks[None, :], mask=k_mask[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
+    if WEIGHT_SCALED:
+        scales = w2_scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        acc *= tl.load(scales, mask=n_mask, other=0.0)[None, :]
     weight = tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     tl.store(
@@ -492,13 +276,147 @@ def _sum_slots_kernel(
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+class ExpertGrouping(NamedTuple):
+    """`align_tokens`' output for one call, shared by the two GEMMs."""
+
+    sorted_slots: torch.Tensor
+    """`[num_blocks * block_m]` int32."""
+    expert_of_block: torch.Tensor
+    """`[num_blocks]` int32."""
+    num_slots: int
+    """`num_tokens * top_k` (the padding's sentinel)."""
+    top_k: int
+
+
+def moe_gate_up(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    grouping: ExpertGrouping,
+    launch: MoeLaunch,
+) -> torch.Tensor:
+    """`fused_moe`'s first GEMM: `[len(sorted_slots), inter]` SiLU-and-mul activations in
+    `hidden`'s dtype (rows of padding: garbage, never read). Arguments as `fused_moe`
+    checked them (not checked again; `benchmarks/tools/tune_moe.py` times this alone)."""
+    inter = w13.shape[1] // 2
+    device = hidden.device
+    act = torch.empty(grouping.sorted_slots.shape[0], inter, dtype=hidden.dtype, device=device)
+    scaled = w13_scale is not None
+    _moe_gate_up_kernel[(grouping.expert_of_block.shape[0], cdiv(inter, launch.block_n))](
+        hidden,
+        w13,
+        w13_scale if scaled else w13,  # not read without scales
+        act,
+        grouping.sorted_slots,
+        grouping.expert_of_block,
+        grouping.num_slots,
+        hidden.shape[1],
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0) if scaled else 0,
+        act.stride(0),
+        TOP_K=grouping.top_k,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        DOT_DTYPE=dot_dtype(hidden.dtype, _moe_gate_up_kernel),
+        WEIGHT_SCALED=scaled,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch_options(_moe_gate_up_kernel, device),
+    )
+    return act
+
+
+def moe_down(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    grouping: ExpertGrouping,
+    launch: MoeLaunch,
+) -> torch.Tensor:
+    """`fused_moe`'s second GEMM: `[num_slots, hidden]` float32, each slot's expert output
+    times its routing weight (`topk_weights`: `[num_slots]` float32, contiguous). Arguments
+    as `fused_moe` checked them."""
+    hid = w2.shape[1]
+    per_slot = torch.empty(grouping.num_slots, hid, dtype=torch.float32, device=act.device)
+    scaled = w2_scale is not None
+    _moe_down_kernel[(grouping.expert_of_block.shape[0], cdiv(hid, launch.block_n))](
+        act,
+        w2,
+        w2_scale if scaled else w2,  # not read without scales
+        per_slot,
+        topk_weights,
+        grouping.sorted_slots,
+        grouping.expert_of_block,
+        grouping.num_slots,
+        hid,
+        act.shape[1],
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0) if scaled else 0,
+        per_slot.stride(0),
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        DOT_DTYPE=dot_dtype(act.dtype, _moe_down_kernel),
+        WEIGHT_SCALED=scaled,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **launch_options(_moe_down_kernel, act.device),
+    )
+    return per_slot
+
+
+def check_moe_weights(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> None:
+    """`ValueError` unless the stacked weights (and their scales, for fp8 ones) fit
+    `hidden` (see `fused_moe`)."""
+    hid = hidden.shape[1]
+    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype, FP8_WEIGHT_DTYPE), shape={2: hid})
+    num_experts = w13.shape[0]
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 must have an even dimension 1 ([gate | up]), got {w13.shape}")
+    inter = w13.shape[1] // 2
+    check_tensor("w2", w2, ndim=3, dtypes=(w13.dtype,), shape={0: num_experts, 1: hid, 2: inter})
+    if w13.dtype != FP8_WEIGHT_DTYPE:
+        if w13_scale is not None or w2_scale is not None:
+            raise ValueError(
+                f"w13_scale / w2_scale scale {FP8_WEIGHT_DTYPE} weights; w13 is {w13.dtype}: "
+                "pass no scales"
+            )
+        return
+    if w13_scale is None or w2_scale is None:
+        raise ValueError(
+            f"{FP8_WEIGHT_DTYPE} weights need w13_scale [num_experts, 2 * inter] and "
+            "w2_scale [num_experts, hidden] (float32)"
+        )
+    f32 = (torch.float32,)
+    check_tensor("w13_scale", w13_scale, ndim=2, dtypes=f32, shape={0: num_experts, 1: 2 * inter})
+    check_tensor("w2_scale", w2_scale, ndim=2, dtypes=f32, shape={0: num_experts, 1: hid})
+    check_fp8_supported("w13", w13)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    **launch: int | None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    launch: MoeLaunches | None = None,
+    **overrides: int | None,
 ) -> torch.Tensor:
     """`fused_moe_ref` on the device: the grouped gate|up GEMM with SiLU-and-mul, the
     grouped down GEMM scaled by the routing weights, the per-token sum. No host
@@ -506,25 +424,27 @@ def fused_moe(
 
     Args:
         hidden: `[num_tokens, hidden]`, float32 / float16 / bfloat16.
-        w13: `[num_experts, 2 * inter, hidden]`, same dtype.
-        w2: `[num_experts, hidden, inter]`, same dtype.
+        w13: `[num_experts, 2 * inter, hidden]`, `hidden`'s dtype or float8_e4m3fn.
+        w2: `[num_experts, hidden, inter]`, `w13`'s dtype.
         topk_weights: `[num_tokens, top_k]` float32.
         topk_ids: `[num_tokens, top_k]` int32 / int64, in `[0, num_experts)` (not checked:
             that would synchronise). A token may name one expert more than once.
-        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` overrides
-            (see `choose_moe_launch`).
+        w13_scale: For fp8 weights, `[num_experts, 2 * inter]` float32: `w13[e, n, :]` is
+            `w13[e, n, :].float() * w13_scale[e, n]` (weight-only: the fp8 tiles are
+            converted to the activation dtype and the scale multiplies each output channel
+            of the float32 accumulator).
+        w2_scale: For fp8 weights, `[num_experts, hidden]` float32, likewise.
+        launch: Both GEMMs' launches (None: `choose_moe_launch` from the repository's table).
+        **overrides: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` for both
+            GEMMs (see `choose_moe_launch`); not with `launch`.
 
     Returns:
         `[num_tokens, hidden]` in `hidden`'s dtype.
     """
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hid = hidden.shape
-    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,), shape={2: hid})
-    num_experts = w13.shape[0]
-    if w13.shape[1] % 2:
-        raise ValueError(f"w13 must have an even dimension 1 ([gate | up]), got {w13.shape}")
-    inter = w13.shape[1] // 2
-    check_tensor("w2", w2, ndim=3, dtypes=(hidden.dtype,), shape={0: num_experts, 1: hid, 2: inter})
+    check_moe_weights(hidden, w13, w2, w13_scale, w2_scale)
+    num_experts, inter = w13.shape[0], w2.shape[2]
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, shape={0: num_tokens})
     top_k = topk_ids.shape[1]
     check_tensor(
@@ -533,6 +453,7 @@ def fused_moe(
     )  # fmt: skip
     if top_k < 1:
         raise ValueError(f"topk_ids must name at least one expert per token, got {top_k}")
+    scales = {"w13_scale": w13_scale, "w2_scale": w2_scale} if w13_scale is not None else {}
     device = check_same_device(
         _moe_gate_up_kernel,
         hidden=hidden,
@@ -540,61 +461,33 @@ def fused_moe(
         w2=w2,
         topk_weights=topk_weights,
         topk_ids=topk_ids,
+        **scales,
     )
-    cfg = choose_moe_launch(num_tokens, hid, inter, **launch)
+    if launch is None:
+        shape = MoeShape(
+            device_name(device),
+            num_experts,
+            hid,
+            inter,
+            dtype_name(hidden.dtype),
+            dtype_name(w13.dtype),
+        )
+        launch = choose_moe_launch(num_tokens, shape, **overrides)
+    elif overrides:
+        raise ValueError(f"pass launch= or {sorted(overrides)}, not both")
+    else:
+        check_launches(launch)
     out = torch.empty(num_tokens, hid, dtype=hidden.dtype, device=device)
     if not num_tokens or not hid:
         return out
     if not inter:
         return out.zero_()
     num_slots = num_tokens * top_k
-    sorted_slots, expert_of_block, _ = align_tokens(topk_ids, num_experts, cfg.block_m)
-    num_blocks = expert_of_block.shape[0]
-    act = torch.empty(sorted_slots.shape[0], inter, dtype=hidden.dtype, device=device)
-    dot = dot_dtype(hidden.dtype, _moe_gate_up_kernel)
-    common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _moe_gate_up_kernel[(num_blocks, cdiv(inter, cfg.block_n))](
-        hidden,
-        w13,
-        act,
-        sorted_slots,
-        expert_of_block,
-        num_slots,
-        hid,
-        inter,
-        hidden.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        act.stride(0),
-        TOP_K=top_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot,
-        **common,
-        **launch_options(_moe_gate_up_kernel, device),
-    )
-    per_slot = torch.empty(num_slots, hid, dtype=torch.float32, device=device)
-    _moe_down_kernel[(num_blocks, cdiv(hid, cfg.block_n))](
-        act,
-        w2,
-        per_slot,
-        topk_weights.reshape(-1).contiguous(),
-        sorted_slots,
-        expert_of_block,
-        num_slots,
-        hid,
-        inter,
-        act.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        per_slot.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot,
-        **common,
-        **launch_options(_moe_down_kernel, device),
+    sorted_slots, expert_of_block, _ = align_tokens(topk_ids, num_experts, launch.block_m)
+    grouping = ExpertGrouping(sorted_slots, expert_of_block, num_slots, top_k)
+    act = moe_gate_up(hidden, w13, w13_scale, grouping, launch.gate_up)
+    per_slot = moe_down(
+        act, w2, w2_scale, topk_weights.reshape(-1).contiguous(), grouping, launch.down
     )
     block = min(1024, next_power_of_2(hid))
     _sum_slots_kernel[(num_tokens, cdiv(hid, block))](
@@ -607,3 +500,8 @@ def fused_moe(
         **launch_options(_sum_slots_kernel, device),
     )
     return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for `torch.bfloat16`: how the launch table names dtypes."""
+    return str(dtype).removeprefix("torch.")

@@ -151,6 +151,19 @@ def check_cache_dtype_supported(cache: torch.Tensor) -> None:
         )
 
 
+def check_fp8_supported(name: str, tensor: torch.Tensor) -> None:
+    """`ValueError` for a float8_e4m3fn `tensor` on a GPU without fp8 conversions (before
+    sm_89), where Triton cannot compile the kernels that read it."""
+    if tensor.dtype != FP8_KV_DTYPE or tensor.device.type != "cuda":
+        return
+    major, minor = _capability(tensor.device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"{name} is {FP8_KV_DTYPE}, which needs a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper); {torch.cuda.get_device_name(tensor.device)} is {major}.{minor}"
+        )
+
+
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)

@@ -15,6 +15,12 @@ Per-tensor scales become per-channel ones (the same value on every row of the pr
 so merged projections (q|k|v, gate|up) keep each part's scale. Static activation scales
 (`input_scale`, `activation_scale`) and KV-cache scales are read past: activations are
 always quantised per token at run time, and the KV cache keeps the model dtype.
+
+Mixture-of-experts layers: with `quantization="fp8"` the stacked expert weights are
+quantised at load too (`ExpertWeights.quantize_fp8`), on CPU and on CUDA devices of
+capability 8.9 or more (older GPUs keep them in the model dtype: Triton cannot convert
+e4m3 there); with `"int8"` they stay in the model dtype. The routers always do. fp8
+checkpoints of MoE models are refused (their per-expert scales are not read).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 from ..config import QuantizationConfig
 from ..errors import InvalidParamError, UnsupportedModelError
 from ..models.layers.linear import Linear, LinearMethod, MergedLinear
+from ..models.layers.moe import ExpertWeights
 from ..models.layers.quant import LINEAR_METHODS, supports_fp8_matmul
 
 logger = logging.getLogger(__name__)
@@ -185,6 +192,13 @@ def quantizable_layers(model: nn.Module) -> list[tuple[str, Linear]]:
 def create_quantized_weights(model: nn.Module, method: LinearMethod, qc: QuantizationConfig):
     """Before a quantized checkpoint is loaded: quantized weights and scales in every
     projection the checkpoint quantized."""
+    if any(isinstance(m, ExpertWeights) for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: batchlm does not load mixture-of-experts checkpoints "
+            f"quantized to fp8 (quant_method={qc.checkpoint_method!r}); load the "
+            "full-precision checkpoint with quantization='fp8' to quantise it at load, "
+            "experts included"
+        )
     packed = getattr(model, "packed_modules", {})
     for name, layer in quantizable_layers(model):
         if not _is_ignored(name, layer, packed, qc.ignored_modules):
@@ -201,6 +215,24 @@ def finish_quantization(model: nn.Module, method: LinearMethod, qc: Quantization
         else:
             method.quantize_weights(layer)
         method.process_weights(layer)
+    if qc.method == "fp8" and not qc.from_checkpoint:
+        quantize_experts_fp8(model, method.device)
+
+
+def quantize_experts_fp8(model: nn.Module, device: torch.device) -> None:
+    """Every `ExpertWeights` of `model` in fp8, where the kernels can read it."""
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    if not experts:
+        return
+    if device.type == "cuda" and not supports_fp8_matmul(device):
+        logger.warning(
+            "quantization='fp8': the expert weights stay in the model dtype on %s (fp8 "
+            "conversions need CUDA capability >= 8.9)",
+            torch.cuda.get_device_name(device),
+        )
+        return
+    for module in experts:
+        module.quantize_fp8()
 
 
 def _is_ignored(

@@ -77,14 +77,15 @@ def test_top5_logprobs_close_to_hf_in_bf16(qwen_shaped, device):
     assert_top5_close_to_hf(folder, hf, QWEN_05B_SHAPE["vocab_size"], PROMPT_LENS, device)
 
 
-def assert_top5_close_to_hf(folder, hf, vocab: int, prompt_lens, device: str) -> None:
-    """batchlm's greedy tokens and top-5 logprobs (defaults for the device) against `hf`'s
-    on batchlm's continuation, as the module docstring says."""
+def assert_top5_close_to_hf(
+    folder, hf, vocab: int, prompt_lens, device: str, **llm_options
+) -> None:
+    """batchlm's greedy tokens and top-5 logprobs (defaults for the device, but for
+    `llm_options`) against `hf`'s on batchlm's continuation, as the module docstring says."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
-    llm = LLM(
-        str(folder), dtype="bfloat16", device=device, max_model_len=1024, max_num_seqs=8, seed=0
-    )
+    options = dict(dtype="bfloat16", device=device, max_model_len=1024, max_num_seqs=8, seed=0)
+    llm = LLM(str(folder), **{**options, **llm_options})
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.shutdown()

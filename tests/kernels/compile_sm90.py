@@ -119,6 +119,7 @@ def record_all_launches() -> list[_Launch]:
         decode_attention,
         fused_moe,
         gemv,
+        moe_routing,
         prefill_attention,
         quant_fp8,
         rms_norm,
@@ -205,25 +206,35 @@ def record_all_launches() -> list[_Launch]:
                 torch.zeros(hidden, dtype=dtype), 1e-6, 1, *exchange,
             )  # fmt: skip
     launches += got
-    moe_kernels = ("_route_kernel", "_moe_gate_up_kernel", "_moe_down_kernel", "_sum_slots_kernel")
+    with recording(moe_routing, "_route_kernel") as got:
+        for tokens, experts, top_k, dtype in [(1, 128, 8, bf16), (40, 64, 6, f32), (3, 8, 2, f16)]:
+            moe_routing.route(torch.zeros(tokens, experts, dtype=dtype), top_k, True)
+    launches += got
+    moe_kernels = ("_moe_gate_up_kernel", "_moe_down_kernel", "_sum_slots_kernel")
+    fp8 = torch.float8_e4m3fn
     with recording(fused_moe, *moe_kernels) as got:
-        # Qwen3-30B-A3B at batch 1 and in a batch, Mixtral's shape, fp16 and fp32 launches.
-        for tokens, experts, top_k, hidden, inter, dtype in [
-            (1, 128, 8, 2048, 768, bf16),
-            (40, 128, 8, 2048, 768, bf16),
-            (100, 8, 2, 4096, 14336, bf16),
-            (3, 8, 2, 4096, 14336, f16),
-            (70, 64, 6, 2048, 1408, f32),
+        # Qwen3-30B-A3B at batch 1 and in a batch (bf16 and fp8 weights), Mixtral's shape,
+        # fp16 and fp32 launches.
+        for tokens, experts, top_k, hidden, inter, dtype, weight_dtype in [
+            (1, 128, 8, 2048, 768, bf16, bf16),
+            (40, 128, 8, 2048, 768, bf16, bf16),
+            (1, 128, 8, 2048, 768, bf16, fp8),
+            (300, 128, 8, 2048, 768, bf16, fp8),
+            (100, 8, 2, 4096, 14336, bf16, bf16),
+            (3, 8, 2, 4096, 14336, f16, fp8),
+            (70, 64, 6, 2048, 1408, f32, f32),
         ]:
             x = torch.zeros(tokens, hidden, dtype=dtype)
-            fused_moe.route(torch.zeros(tokens, experts, dtype=dtype), top_k, True)
             ids = (torch.arange(tokens * top_k) % experts).reshape(tokens, top_k).int()
+            scaled = weight_dtype == fp8
             fused_moe.fused_moe(
                 x,
-                torch.empty(experts, 2 * inter, hidden, dtype=dtype),
-                torch.empty(experts, hidden, inter, dtype=dtype),
+                torch.empty(experts, 2 * inter, hidden, dtype=weight_dtype),
+                torch.empty(experts, hidden, inter, dtype=weight_dtype),
                 torch.zeros(tokens, top_k),
                 ids,
+                w13_scale=torch.ones(experts, 2 * inter) if scaled else None,
+                w2_scale=torch.ones(experts, hidden) if scaled else None,
             )
     launches += got
     return launches

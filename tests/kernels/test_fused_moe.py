@@ -1,17 +1,25 @@
-"""Mixture-of-experts kernels (routing, token grouping, grouped GEMMs) against the PyTorch
-references."""
+"""Mixture-of-experts kernels (routing, token grouping, grouped GEMMs with weights in the
+activation dtype or in fp8) against the PyTorch references, and the launch table."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from batchlm.kernels.fused_moe import (
+from batchlm.kernels.fused_moe import FP8_WEIGHT_DTYPE, fused_moe, fused_moe_ref
+from batchlm.kernels.moe_launch import (
+    MoeLaunch,
+    MoeLaunches,
+    MoeShape,
+    choose_moe_launch,
+    load_launch_table,
+    table_entry,
+)
+from batchlm.kernels.moe_routing import (
     align_tokens,
     align_tokens_ref,
-    choose_moe_launch,
-    fused_moe,
-    fused_moe_ref,
     max_padded_slots,
     route,
     route_ref,
@@ -221,14 +229,204 @@ def test_fused_moe_no_tokens(device):
     assert fused_moe(hidden, w13, w2, weights, ids).shape == (0, 32)
 
 
-def test_choose_moe_launch():
-    assert choose_moe_launch(1, 4096, 1024).block_m == 16
-    assert choose_moe_launch(4096, 4096, 1024).block_m == 64
-    assert choose_moe_launch(1, 32, 16).block_k == 16
+def _quantize_fp8(weight):
+    """`[E, rows, cols]` → e4m3 values and `[E, rows]` float32 scales (each row's largest
+    magnitude maps to 448)."""
+    scale = weight.float().abs().amax(dim=-1).clamp(min=1e-12) * (1.0 / 448.0)
+    return (weight.float() / scale[..., None]).to(FP8_WEIGHT_DTYPE), scale
+
+
+def _assert_fp8_moe(hidden, w13, w2, weights, ids, **launch):
+    """fp8 weights: the kernel against the reference (which dequantises), both from the
+    same e4m3 values and scales."""
+    q13, s13 = _quantize_fp8(w13)
+    q2, s2 = _quantize_fp8(w2)
+    out = fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, **launch)
+    cpu = [t.cpu() for t in (hidden, q13, q2, weights, ids)]
+    ref = fused_moe_ref(*cpu, w13_scale=s13.cpu(), w2_scale=s2.cpu())
+    assert out.shape == ref.shape and out.dtype == hidden.dtype
+    atol, rtol = MOE_TOLERANCE[hidden.dtype]
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_moe_fp8_weights_match_reference(num_tokens, dtype, device):
+    hidden, w13, w2, logits = _moe_inputs(num_tokens, 8, 32, 24, dtype, device, seed=num_tokens)
+    weights, ids = route(logits, 2, renormalize=True)
+    out = _assert_fp8_moe(hidden, w13, w2, weights, ids, **SMALL)
+    # And close to the unquantized layer: e4m3 keeps 3 mantissa bits (~3% per weight).
+    full = fused_moe_ref(hidden.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()).float()
+    rel = (out.cpu().float() - full).norm() / full.norm()
+    assert rel < 0.06, rel
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [[3, 3], [1, 3], [3, 3]],  # a token naming one expert twice
+        [[2, 0]] * 3,  # experts 1 and 3 receive nothing
+        [[1, 1]] * 3,  # one expert receives everything
+    ],
+)
+def test_fused_moe_fp8_special_routings(ids, device):
+    hidden, w13, w2, _ = _moe_inputs(3, 4, 32, 16, torch.float16, device, seed=3)
+    ids = torch.tensor(ids, dtype=torch.int32, device=device)
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.1, 0.9]], device=device)
+    _assert_fp8_moe(hidden, w13, w2, weights, ids, **SMALL)
+
+
+def test_fused_moe_fp8_one_token_default_launch_odd_sizes(device):
+    hidden, w13, w2, logits = _moe_inputs(1, 8, 40, 20, torch.bfloat16, device, seed=6)
+    weights, ids = route(logits, 3, renormalize=False)
+    _assert_fp8_moe(hidden, w13, w2, weights, ids)
+
+
+def test_fused_moe_fp8_rejects_bad_scales(device):
+    hidden, w13, w2, logits = _moe_inputs(3, 4, 32, 16, torch.float32, device)
+    weights, ids = route(logits, 2, renormalize=True)
+    (q13, s13), (q2, s2) = _quantize_fp8(w13), _quantize_fp8(w2)
+    with pytest.raises(ValueError, match="weights need w13_scale"):
+        fused_moe(hidden, q13, q2, weights, ids)
+    with pytest.raises(ValueError, match="w2 has dtype torch.float32"):
+        fused_moe(hidden, q13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match="pass no scales"):
+        fused_moe(hidden, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match="w13_scale has size 16 in dimension 1"):
+        fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13[:, :16], w2_scale=s2)
+    with pytest.raises(ValueError, match="w2_scale has dtype torch.float16"):
+        fused_moe(hidden, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2.half())
+    with pytest.raises(ValueError, match="not both"):
+        fused_moe(hidden, w13, w2, weights, ids, launch=_pair(16, 16, 16), block_m=16)
+
+
+# The W6 expert shape (Qwen3-30B-A3B): 128 experts of width 768 over hidden 2048, top 8.
+W6_EXPERTS, W6_HIDDEN, W6_INTER, W6_TOP_K = 128, 2048, 768, 8
+
+
+@pytest.fixture(scope="module")
+def w6_weights():
+    gen = torch.Generator("cuda").manual_seed(0)
+    w13 = torch.randn(W6_EXPERTS, 2 * W6_INTER, W6_HIDDEN, device="cuda", generator=gen)
+    w2 = torch.randn(W6_EXPERTS, W6_HIDDEN, W6_INTER, device="cuda", generator=gen)
+    return (w13 / W6_HIDDEN**0.5).bfloat16(), (w2 / W6_INTER**0.5).bfloat16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 333])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_w6_shape_on_gpu(num_tokens, fp8, w6_weights):
+    """The default launches (the repository's table on this device) at the W6 expert shape,
+    against the reference run on the same GPU."""
+    w13, w2 = w6_weights
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, W6_HIDDEN, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, W6_EXPERTS, device="cuda", generator=gen)
+    weights, ids = route(logits, W6_TOP_K, renormalize=True)
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = _quantize_fp8(w13), _quantize_fp8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    out = fused_moe(hidden, w13, w2, weights, ids, **scales)
+    ref = fused_moe_ref(hidden, w13, w2, weights, ids, **scales)
+    atol, rtol = MOE_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _shape(hidden=4096, inter=1024, device_name="cpu", weight_dtype="float32"):
+    return MoeShape(device_name, 8, hidden, inter, "float32", weight_dtype)
+
+
+def test_choose_moe_launch_defaults():
+    assert choose_moe_launch(1, _shape(), table={}).block_m == 16
+    assert choose_moe_launch(4096, _shape(), table={}).block_m == 64
+    narrow = choose_moe_launch(1, _shape(32, 16), table={})
+    assert narrow.gate_up.block_k == 32 and narrow.down.block_k == 16  # K: hidden, inter
+    assert narrow.gate_up.block_n == 16 and narrow.down.block_n == 32  # N: inter, hidden
+    forced = choose_moe_launch(1, _shape(), table={}, block_m=32, num_stages=None)
+    assert forced.gate_up.block_m == forced.down.block_m == 32
     with pytest.raises(ValueError, match="block_m=24"):
-        choose_moe_launch(1, 32, 16, block_m=24)
+        choose_moe_launch(1, _shape(), table={}, block_m=24)
     with pytest.raises(ValueError, match="num_stages"):
-        choose_moe_launch(1, 32, 16, num_stages=0)
+        choose_moe_launch(1, _shape(), table={}, num_stages=0)
+    with pytest.raises(ValueError, match="unknown launch options.*'block_q'"):
+        choose_moe_launch(1, _shape(), table={}, block_q=16)
+
+
+def _write_table(path, shape, buckets):
+    path.write_text(json.dumps({"entries": [table_entry(shape, buckets)]}))
+    return load_launch_table(path)
+
+
+def _pair(block_m, gate_up_n, down_n):
+    return MoeLaunches(
+        MoeLaunch(block_m, gate_up_n, 32, 4, 2), MoeLaunch(block_m, down_n, 16, 2, 3)
+    )
+
+
+def test_launch_table_picks_the_smallest_bucket_that_holds_the_tokens(tmp_path):
+    shape = _shape(32, 16)
+    buckets = {1: _pair(16, 16, 32), 8: _pair(32, 32, 16), 64: _pair(64, 16, 16)}
+    table = _write_table(tmp_path / "t.json", shape, buckets)
+    got = [choose_moe_launch(n, shape, table) for n in (1, 2, 8, 9, 64, 65, 10_000)]
+    assert got == [buckets[n] for n in (1, 8, 8, 64, 64, 64, 64)]
+    # gate|up and down keep their own launches; overrides apply to both.
+    assert got[0].gate_up.block_n == 16 and got[0].down.block_n == 32
+    assert choose_moe_launch(1, shape, table, num_warps=8).down.num_warps == 8
+    # Another device, size or weight dtype: the defaults.
+    for other in (
+        shape._replace(device_name="NVIDIA H100"),
+        shape._replace(inter=32),
+        shape._replace(weight_dtype="float8_e4m3fn"),
+    ):
+        assert choose_moe_launch(1, other, table) == choose_moe_launch(1, other, table={})
+    assert load_launch_table(tmp_path / "t.json") is table  # read once
+    assert load_launch_table(tmp_path / "missing.json") == {}
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda e: e.update(colour="red"), "expected the keys"),
+        (lambda e: e.update(num_experts=0), "num_experts=0"),
+        (lambda e: e["launches"].update({"x": e["launches"]["1"]}), "bucket 'x'"),
+        (lambda e: e["launches"]["1"].pop("down"), "bucket 1: expected"),
+        (lambda e: e["launches"]["1"].update(down=[32, 16, 16, 4, 3]), "must be equal"),
+        (lambda e: e["launches"]["1"].update(down=[16, 24, 16, 4, 3]), "block_n=24"),
+        (lambda e: e["launches"]["1"].update(down=[16, 16, 16, 4]), "bucket 1"),
+    ],
+)
+def test_launch_table_is_validated(tmp_path, edit, match):
+    entry = table_entry(_shape(), {1: _pair(16, 16, 16)})
+    edit(entry)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"entries": [entry]}))
+    with pytest.raises(ValueError, match=match):
+        load_launch_table(path)
+
+
+def test_fused_moe_runs_the_tables_launch(tmp_path, device, monkeypatch):
+    """`fused_moe` looks its launch up by device name, sizes and dtypes (Python values:
+    nothing it reads synchronises), and gives the reference's result with it."""
+    from batchlm.kernels import fused_moe as module
+    from batchlm.kernels.moe_launch import device_name
+
+    hidden, w13, w2, logits = _moe_inputs(5, 4, 32, 16, torch.float32, device, seed=9)
+    shape = MoeShape(device_name(device), 4, 32, 16, "float32", "float32")
+    table = _write_table(tmp_path / "t.json", shape, {8: _pair(32, 16, 32)})
+    chosen = []
+    original = module.choose_moe_launch
+
+    def choose(num_tokens, shape, **overrides):
+        assert type(num_tokens) is int
+        chosen.append(original(num_tokens, shape, table, **overrides))
+        return chosen[-1]
+
+    monkeypatch.setattr(module, "choose_moe_launch", choose)
+    weights, ids = route(logits, 2, renormalize=True)
+    _assert_moe(hidden, w13, w2, weights, ids)
+    assert chosen == [_pair(32, 16, 32)]
 
 
 def test_launchers_reject_bad_arguments(device):

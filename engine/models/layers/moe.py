@@ -1,6 +1,10 @@
 """Mixture-of-experts MLP: a router picks `top_k` experts per token, whose gated MLPs run
 over stacked weights (`kernels/fused_moe.py` on CUDA, its PyTorch reference elsewhere).
 
+With `quantization="fp8"` the stacked expert weights are stored in float8_e4m3fn with
+per-channel scales (`ExpertWeights.quantize_fp8`) and run through the same kernels; the
+router stays in the model dtype.
+
 Tensor parallelism splits every expert's intermediate dimension over the ranks, as the
 dense MLP's gate|up (column-parallel) and down (row-parallel) projections are split: each
 rank computes a partial sum of every token's output, summed over the ranks like the dense
@@ -16,9 +20,11 @@ import torch
 from torch import nn
 
 from batchlm.kernels import use_triton_kernels
-from batchlm.kernels.fused_moe import fused_moe_ref, route_ref
+from batchlm.kernels.fused_moe import fused_moe_ref
+from batchlm.kernels.moe_routing import route_ref
 
 from .linear import _divide
+from .quant import FP8_DTYPE, quantize_per_row
 
 if TYPE_CHECKING:
     from ...distributed.parallel import TPGroup
@@ -54,6 +60,33 @@ class ExpertWeights(nn.Module):
         inter = self.local_intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))  # [gate | up]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        # float32 [num_experts, 2 * inter] / [num_experts, hidden] once quantized to fp8.
+        self.w13_scale: nn.Parameter | None
+        self.w2_scale: nn.Parameter | None
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
+
+    def quantize_fp8(self) -> None:
+        """Store `w13` and `w2` in float8_e4m3fn with one float32 scale per expert and
+        output channel (`w13_scale`, `w2_scale`), as the dense fp8 layers are quantized
+        (`quantize_per_row`: each row's largest magnitude maps to 448).
+
+        Per output channel rather than per expert: an expert's rows differ in range, and a
+        per-expert scale would leave the small rows only a few of e4m3's levels; the scales
+        cost the kernels nothing measurable (one float per output column of a tile,
+        applied to the accumulator after the K loop). Quantized one expert at a time, so
+        the float32 copy is one expert's. Under tensor parallelism each rank quantizes its
+        own slice, so `w2`'s scales cover this rank's partial sums.
+        """
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data  # [num_experts, rows, cols]
+            values = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for e in range(weight.shape[0]):
+                values[e], scale[e] = quantize_per_row(weight[e], FP8_DTYPE)
+            del weight
+            setattr(self, name, nn.Parameter(values, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
 
 class FusedMoE(nn.Module):
@@ -92,14 +125,17 @@ class FusedMoE(nn.Module):
     def expert_sum(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, hidden]
         """The routed experts' weighted sum (this rank's partial sum under TP)."""
         router_logits = self.gate(x)  # [n, num_experts]
-        w13, w2 = self.experts.w13, self.experts.w2
+        experts = self.experts
+        w13, w2 = experts.w13, experts.w2
+        scales = dict(w13_scale=experts.w13_scale, w2_scale=experts.w2_scale)
         if use_triton_kernels(x):
-            from batchlm.kernels.fused_moe import fused_moe, route
+            from batchlm.kernels.fused_moe import fused_moe
+            from batchlm.kernels.moe_routing import route
 
             weights, ids = route(router_logits, self.top_k, self.renormalize)
-            return fused_moe(x, w13, w2, weights, ids)
+            return fused_moe(x, w13, w2, weights, ids, **scales)
         weights, ids = route_ref(router_logits, self.top_k, self.renormalize)
-        return fused_moe_ref(x, w13, w2, weights, ids)
+        return fused_moe_ref(x, w13, w2, weights, ids, **scales)
 
     def reduce(self, out: torch.Tensor) -> torch.Tensor:
         """Sum a partial output over the ranks when this layer owns that sum."""

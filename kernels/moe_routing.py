@@ -1,0 +1,236 @@
+"""Mixture-of-experts routing and token grouping: which experts each token goes to, and
+the (token, slot) pairs grouped by expert for `fused_moe`'s grouped GEMMs.
+
+- `route`: one program per token: softmax over the experts in float32, the `top_k`
+  largest by repeated arg-max (ties to the lower id), optional renormalisation;
+  `route_ref` is the same in PyTorch;
+- `align_tokens`: the `num_tokens * top_k` (token, slot) pairs grouped by expert, each
+  group padded to a multiple of `block_m` with the sentinel `num_tokens * top_k`, with
+  PyTorch ops of fixed sizes (no host synchronisation; buffers sized for the worst case);
+  `align_tokens_ref` is a Python loop over the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    cdiv,
+    check_power_of_2,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+)
+from .pdl import launch_options, wait_for_previous_kernel
+
+__all__ = [
+    "align_tokens",
+    "align_tokens_ref",
+    "max_padded_slots",
+    "route",
+    "route_ref",
+]
+
+
+def route_ref(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts (in float32), the `top_k` largest, optionally renormalised
+    to sum to 1.
+
+    Ties are broken towards the lower expert id.
+
+    Args:
+        router_logits: `[num_tokens, num_experts]`, any float dtype.
+        top_k: Experts per token.
+        renormalize: Divide the chosen weights by their sum (Mixtral; Qwen3-MoE's
+            `norm_topk_prob`).
+
+    Returns:
+        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int32)`,
+        each row in descending weight order.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+# ---------------------------------------------------------------------------------------
+# Routing
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [num_tokens, num_experts]
+    weights_ptr,  # [num_tokens, TOP_K] float32
+    ids_ptr,  # [num_tokens, TOP_K] int32
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs_e, mask=e_mask, other=float("-inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    # Probabilities are >= 0: -1 marks the lanes past num_experts and the experts taken.
+    p = tl.where(e_mask, p, -1.0)
+    offs_j = tl.arange(0, BLOCK_TOPK)
+    weights = tl.zeros([BLOCK_TOPK], tl.float32)
+    ids = tl.zeros([BLOCK_TOPK], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        expert = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # ties: lower id
+        weights = tl.where(offs_j == j, best, weights)
+        ids = tl.where(offs_j == j, expert, ids)
+        p = tl.where(offs_e == expert, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)  # lanes past TOP_K hold 0
+    j_mask = offs_j < TOP_K
+    tl.store(weights_ptr + row * TOP_K + offs_j, weights, mask=j_mask)
+    tl.store(ids_ptr + row * TOP_K + offs_j, ids, mask=j_mask)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_ref` in one kernel (one program per token).
+
+    Args:
+        router_logits: `[num_tokens, num_experts]`, float32 / float16 / bfloat16.
+        top_k: Experts per token, in `[1, num_experts]`.
+        renormalize: Divide the chosen weights by their sum.
+
+    Returns:
+        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int32)`,
+        each row in descending weight order, ties towards the lower expert id.
+    """
+    check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens, num_experts = router_logits.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k!r} must be an integer in [1, {num_experts}] (experts)")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize={renormalize!r} must be True or False")
+    device = check_same_device(_route_kernel, router_logits=router_logits)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    if num_tokens:
+        block_e = next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](
+            router_logits,
+            weights,
+            ids,
+            num_experts,
+            router_logits.stride(0),
+            TOP_K=top_k,
+            BLOCK_TOPK=next_power_of_2(top_k),
+            BLOCK_E=block_e,
+            RENORMALIZE=renormalize,
+            num_warps=4 if block_e <= 512 else 8,
+            **launch_options(_route_kernel, device),
+        )
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------
+# Grouping the (token, slot) pairs by expert
+
+
+def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
+    """The size of `align_tokens`' `sorted_slots`: every slot plus at most `block_m - 1`
+    padding for each expert that receives one (at most `min(num_slots, num_experts)` do),
+    rounded up to `block_m`. Depends on sizes only, never on the routing."""
+    worst = num_slots + min(num_slots, num_experts) * (block_m - 1)
+    return cdiv(worst, block_m) * block_m
+
+
+def align_tokens(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the `num_tokens * top_k` slots (`token * top_k + j`) by expert, each group
+    padded to a multiple of `block_m`, on the device and with no host synchronisation.
+
+    Plain PyTorch ops of sizes fixed by the shapes (a stable sort, cumulative sums, a
+    scatter), so it is also its own CPU reference. `topk_ids` must lie in
+    `[0, num_experts)` (not checked: that would synchronise).
+
+    Args:
+        topk_ids: `[num_tokens, top_k]` int32 / int64.
+        num_experts: Experts in the layer.
+        block_m: Rows per GEMM block, a power of two.
+
+    Returns:
+        - `sorted_slots` int32 `[max_padded_slots(num_tokens * top_k, num_experts,
+          block_m)]`: expert 0's slots (ascending), padded with the sentinel
+          `num_tokens * top_k` to a multiple of `block_m`, then expert 1's, ...; the
+          sentinel also fills everything past the padded total;
+        - `expert_of_block` int32 `[len(sorted_slots) // block_m]`: each block's expert,
+          -1 for the blocks past the padded total;
+        - `num_padded` int32 `[1]`: the padded total.
+    """
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, last_dim_contiguous=False)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+    check_power_of_2("block_m", block_m, 1, 1024, "slots per GEMM block")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_slots = flat.numel()
+    size = max_padded_slots(num_slots, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    count_starts = torch.cumsum(counts, 0) - counts
+    # A stable sort keeps each expert's slots in ascending order.
+    sorted_ids, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_slots, device=device) - count_starts[sorted_ids]
+    dest = padded_starts[sorted_ids] + rank
+    sorted_slots = torch.full((size,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, size, block_m, device=device)
+    expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True)
+    num_padded = padded_ends[-1:]
+    expert_of_block = torch.where(block_starts < num_padded, expert_of_block, -1)
+    return sorted_slots, expert_of_block.to(torch.int32), num_padded.to(torch.int32)
+
+
+def align_tokens_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_tokens` with a Python loop over the experts (synchronises; for tests)."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    num_slots = flat.numel()
+    size = max_padded_slots(num_slots, num_experts, block_m)
+    slots: list[int] = []
+    experts: list[int] = []
+    for expert in range(num_experts):
+        mine = torch.nonzero(flat == expert).squeeze(-1).tolist()
+        if not mine:
+            continue
+        pad = -len(mine) % block_m
+        slots += mine + [num_slots] * pad
+        experts += [expert] * ((len(mine) + pad) // block_m)
+    num_padded = len(slots)
+    slots += [num_slots] * (size - num_padded)
+    experts += [-1] * (size // block_m - len(experts))
+    device = topk_ids.device
+    return (
+        torch.tensor(slots, dtype=torch.int32, device=device),
+        torch.tensor(experts, dtype=torch.int32, device=device),
+        torch.tensor([num_padded], dtype=torch.int32, device=device),
+    )
