@@ -7,6 +7,8 @@ folder. Each line of output is one JSON record (see benchmarks/common.py).
 
     python benchmarks/gpu_generate.py --workload W1 --out results.jsonl
     python benchmarks/gpu_generate.py --workload W3 --workload W5
+    python benchmarks/gpu_generate.py --workload W1 --workload W2 --workload W3 \
+        --batch-invariant --no-baseline --out bi.jsonl
 
 W1: Llama-3.1-8B shape, 256 requests × 512 prompt tokens, 256 output tokens, greedy;
     HF `generate` at batch 128.
@@ -20,6 +22,8 @@ W1-json: W1's batch with a JSON schema on every request (structured outputs, xgr
 W3-ngram: batch 1, a copy-heavy prompt (the model made to copy, see `w3_ngram`), ngram
     speculation against none (both batchlm).
 W3-tp2: W3 with tensor_parallel_size=2 against 1 (both batchlm; 2 GPUs).
+W1-bi, W2-bi, W3-bi (with `--batch-invariant`): W1, W2 and W3 again with
+    `batch_invariant=True`, each recorded against the default mode's run just before it.
 W5: Llama-3.1-8B shape, 256 requests sharing a 1,024-token prefix + 64 own tokens, 64 output
     tokens; batchlm with prefix caching on against off.
 
@@ -238,6 +242,48 @@ def step_budget(llm: LLM) -> dict:
     )
 
 
+def batch_invariant_run(
+    args,
+    rec: Recorder,
+    folder: Path,
+    workload: str,
+    default: float,
+    prompts,
+    params,
+    warmup: SamplingParams,
+    max_num_seqs: int,
+    shape: dict | None = None,
+) -> None:
+    """`workload` again with `batch_invariant=True`, recorded as `<workload>-bi` with the
+    default mode's value (`default`, same metric) as its baseline. W3's metric is a time
+    per token (its ratio: the mode's time over the default's); the others' a throughput
+    (the mode's over the default's)."""
+    llm = make_llm(folder, args, max_num_seqs=max_num_seqs, batch_invariant=True)
+    run_batchlm(llm, prompts, warmup)
+    secs, outs = run_batchlm(llm, prompts, params)
+    compiles = compiles_in_last_run()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    per_token = workload == "W3"
+    value = secs / tokens * 1e3 if per_token else tokens / secs
+    rec.record(
+        workload=f"{workload}-bi",
+        system="batchlm-batch-invariant",
+        metric="ms_per_token" if per_token else "output_tok_per_s",
+        value=round(value, 3 if per_token else 1),
+        seconds=round(secs, 3),
+        output_tokens=tokens,
+        baseline_value=default,
+        baseline="batchlm default mode, same run",
+        ratio=round(value / default, 3),
+        dtype=str(DTYPE).removeprefix("torch."),
+        triton_compiles_in_run=compiles,
+        **step_budget(llm),
+        **(decode_breakdown(llm, prompts, params, shape) if shape else {}),
+    )
+    del llm
+    release()
+
+
 def w1(args, rec: Recorder, folder: Path) -> None:
     prompts = prompts_of([512] * 256, LLAMA_8B["vocab_size"], 0)
     hf = build_random_model(LLAMA_8B, folder)
@@ -283,6 +329,11 @@ def w1(args, rec: Recorder, folder: Path) -> None:
         )
     del llm
     release()
+    if args.batch_invariant:
+        warmup = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        batch_invariant_run(
+            args, rec, folder, "W1", round(tps, 1), prompts, params, warmup, 256, LLAMA_8B
+        )
 
 
 def w3(args, rec: Recorder, folder: Path) -> None:
@@ -322,6 +373,11 @@ def w3(args, rec: Recorder, folder: Path) -> None:
         )
     del llm
     release()
+    if args.batch_invariant:
+        warmup = SamplingParams(max_tokens=16, ignore_eos=True)
+        batch_invariant_run(
+            args, rec, folder, "W3", round(ms, 3), prompts, params, warmup, 16, LLAMA_8B
+        )
 
 
 def w5(args, rec: Recorder, folder: Path) -> None:
@@ -410,6 +466,9 @@ def w2(args, rec: Recorder, folder: Path) -> None:
     )
     del llm
     release()
+    if args.batch_invariant:
+        warmup = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.6)
+        batch_invariant_run(args, rec, folder, "W2", round(tps, 1), prompts, params, warmup, 256)
 
 
 def w1_fp8(args, rec: Recorder, folder: Path) -> None:
@@ -673,6 +732,11 @@ def main() -> None:
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-w2", action="store_true", help="HF generate_batch (slow)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="W1, W2, W3: also run batch_invariant=True (records W1-bi, W2-bi, W3-bi)",
+    )
     ap.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="engine default if unset"
     )

@@ -148,6 +148,12 @@ class DeviceConfig:
     """`torch` (the reference, any device) or `triton` (CUDA)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    batch_invariant: bool = False
+    """Compute every request's logits the same way whatever else runs beside it (other
+    requests, their order, prompt chunking, prefix-cache hits): batch-invariant matmuls,
+    norms and attention, and tensor-parallel sums in rank order. Greedy and seeded tokens
+    and logprobs are then bitwise reproducible; it costs some speed on the GPU
+    (docs/performance.md)."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    batch_invariant: bool = False
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     revision: str | None = None
@@ -157,7 +158,10 @@ class EngineArgs:
                 async_scheduling=self._async_scheduling(runner_type, device, speculative),
             ),
             device=DeviceConfig(
-                device=device, attention_backend=backend, enforce_eager=self.enforce_eager
+                device=device,
+                attention_backend=backend,
+                enforce_eager=self.enforce_eager,
+                batch_invariant=self.batch_invariant,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -434,6 +438,7 @@ class EngineArgs:
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "enforce_eager",
+            "batch_invariant",
             "disable_custom_all_reduce",
             "skip_tokenizer_init",
             "disable_log_stats",

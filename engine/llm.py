@@ -51,6 +51,9 @@ class LLM(PoolingMixin):
             activations and KV cache).
         kv_cache_memory_bytes: An explicit KV cache size instead (also on CPU).
         enforce_eager: No CUDA graphs.
+        batch_invariant: A request's tokens and logprobs do not depend on what else runs
+            beside it (other requests, their order, prompt chunking, prefix-cache hits),
+            bit for bit; slower on the GPU (docs/performance.md).
         disable_custom_all_reduce: Tensor parallelism all-reduces through NCCL alone.
         max_model_len: Longest sequence (prompt + output); default: the model's.
         chat_template: A Jinja template (text or file) or the name of one of the
@@ -94,6 +97,7 @@ class LLM(PoolingMixin):
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
+        batch_invariant: bool = False,
         disable_custom_all_reduce: bool = False,
         max_model_len: int | None = None,
         chat_template: str | None = None,
@@ -122,6 +126,7 @@ class LLM(PoolingMixin):
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enforce_eager=enforce_eager,
+            batch_invariant=batch_invariant,
             disable_custom_all_reduce=disable_custom_all_reduce,
             max_model_len=max_model_len,
             chat_template=chat_template,

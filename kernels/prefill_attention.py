@@ -11,6 +11,12 @@ head: the tile's rows are (token, head-in-group) pairs, so keys and values are r
 group (GQA). It streams the keys the tile can see (causal, optionally windowed) in tiles of
 `BLOCK_N` with an online softmax (FlashAttention-2 style). Scores may be soft-capped
 (`softcap * tanh(score / softcap)`, Gemma 2) before the mask.
+
+Key tiles start at multiples of `BLOCK_N` (a windowed tile's first one is aligned down),
+and a key a row cannot see adds exact zeros to its sums: so each token's arithmetic
+depends on its own position and keys, never on which tile, chunk or batch it came in. The
+launch depends on the model's shapes alone. That makes the kernel batch-invariant, which
+the engine's `batch_invariant` mode runs every step on.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def _prefill_kernel(
     # window.
     end = context_len + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
     start = tl.maximum(context_len + first_tok - sliding_window + 1, 0)
+    start -= start % BLOCK_N  # the same key tiles for every token (see the module docstring)
     table_ptr = block_tables_ptr + seq * stride_bt
     k_head_ptr = key_cache_ptr + kv_head * stride_kh
     v_head_ptr = value_cache_ptr + kv_head * stride_vh

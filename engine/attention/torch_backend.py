@@ -11,6 +11,13 @@ extra query rows. Simple and exact; the Triton backend is checked against it. So
 scores (Gemma 2), which SDPA cannot take, are computed as Hugging Face's eager attention
 computes them.
 
+Batch-invariant (`batch_invariant=True`): every query token attends on its own, over its
+keys read back from the cache, with products whose shapes depend on its position alone; so
+its output does not depend on the other tokens of the step, on how its prompt was chunked,
+or on whether its prefix came from the cache (the padded groups and whole-prompt SDPA
+calls above change shape with all of these, and CPU matmuls sum in another order at
+another shape). One token at a time: slow, for the CPU and for checking.
+
 An fp8 cache (`float8_e4m3fn`, scale 1.0) holds keys and values clamped to ±448 and rounded;
 fresh prefills attend over those same rounded values, so both paths (and the Triton
 backend, which reads everything from the cache) see the same keys.
@@ -72,9 +79,17 @@ _MAX_GROUPS = 4
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Args:
+    batch_invariant: Attend one query token at a time (see the module docstring)."""
+
     name = "torch"
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
     def prepare(self, metadata: AttentionMetadata) -> None:
+        if self.batch_invariant:
+            return  # forward reads the host lists of the metadata itself
         qsl, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
         fresh, paged = [], []
         for i in range(metadata.num_seqs):
@@ -163,6 +178,10 @@ class TorchAttentionBackend(AttentionBackend):
             key = _to_cache_dtype(key, key_cache.dtype)
             value = _to_cache_dtype(value, key_cache.dtype)
         write_paged_kv_ref(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if self.batch_invariant:
+            return _token_by_token_attention(
+                query, key_cache, value_cache, metadata, scale, sliding_window, softcap
+            )
         key, value = key.to(query.dtype), value.to(query.dtype)
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         for start, end in plan.fresh:
@@ -176,6 +195,44 @@ class TorchAttentionBackend(AttentionBackend):
                 q, key_cache, value_cache, paged, scale, sliding_window, group, softcap
             )
         return out
+
+
+def _token_by_token_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Each token over its own visible keys from the cache, in products shaped by its
+    position alone (the batch-invariant path)."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    qsl, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+    out = torch.empty_like(query)
+    for i in range(metadata.num_seqs):
+        seq_len, start, end = seq_lens[i], qsl[i], qsl[i + 1]
+        positions = torch.arange(seq_len, device=query.device)
+        slots = metadata.block_tables[i].long()[positions // block_size] * block_size
+        slots += positions % block_size
+        keys = flat_k.index_select(0, slots).to(query.dtype)  # [seq_len, kv_heads, d]
+        values = flat_v.index_select(0, slots).to(query.dtype)
+        for token in range(start, end):
+            pos = seq_len - (end - token)
+            first = max(0, pos - sliding_window + 1) if sliding_window is not None else 0
+            k = keys[first : pos + 1].permute(1, 2, 0).contiguous()  # [kv_heads, d, n]
+            v = values[first : pos + 1].transpose(0, 1).contiguous()  # [kv_heads, n, d]
+            q = query[token].view(num_kv_heads, group, head_dim)
+            scores = torch.bmm(q, k) * scale  # [kv_heads, group, n]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            out[token] = torch.bmm(probs, v).view(-1, head_dim)
+    return out
 
 
 def _causal_attention(

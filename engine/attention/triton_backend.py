@@ -7,6 +7,14 @@ dtype), then a decode-only step (one query token per sequence) runs the split-K 
 kernel and every other step (prefills, chunked prefills, prefix-cache hits, mixed prefill
 + decode) runs the variable-length prefill kernel over the cache. Both read `AttentionMetadata`'s device
 tensors directly; `prepare` only decides which kernel the step uses.
+
+Batch-invariant (`batch_invariant=True`): every step runs the prefill kernel, decode-only
+steps (and their CUDA graphs) included. Its launch depends on the model's shapes alone,
+each program walks its keys in tiles that start at multiples of the key tile from
+position 0, and keys a token cannot see add exact zeros; so a token's output depends on
+its own query and keys only: not on the other sequences of the step, on the chunk it came
+in, or on whether its prefix was computed in this step or read back from the cache. The
+decode kernel's split of the context, chosen by the batch size, is never used.
 """
 
 from __future__ import annotations
@@ -30,7 +38,13 @@ class _TritonPlan:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    """Args:
+    batch_invariant: Run every step on the prefill kernel (see the module docstring)."""
+
     name = "triton"
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def rotate_into_cache(
         self,
@@ -53,7 +67,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        metadata.backend_data = _TritonPlan(is_decode_only=metadata.max_query_len == 1)
+        is_decode_only = metadata.max_query_len == 1 and not self.batch_invariant
+        metadata.backend_data = _TritonPlan(is_decode_only=is_decode_only)
 
     def forward(
         self,

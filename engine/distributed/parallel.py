@@ -34,6 +34,12 @@ class TPGroup:
     """`PeerAllReduce` for small tensors on GPUs with peer access (None: NCCL only)."""
     fused_norm: bool = False
     """`all_reduce_add_rms_norm` runs the one-kernel path (BATCHLM_FUSED_ALL_REDUCE_NORM)."""
+    sum_in_rank_order: bool = False
+    """Every all-reduce adds the ranks' parts in rank order, in float32, whatever the
+    tensor's size (the batch-invariant mode): the peer-memory kernel does so already;
+    tensors it does not take are all-gathered and summed here, since NCCL's ring and tree
+    algorithms order each element's sum by its offset in the buffer and by the buffer's
+    size. The fused all-reduce + norm kernel is not used."""
 
     @property
     def backend(self) -> str:
@@ -44,6 +50,10 @@ class TPGroup:
         peer = self.peer_all_reduce
         if peer is not None and peer.fits(x):
             return peer(x)
+        if self.sum_in_rank_order:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.process_group)
+            return x.copy_(sum_in_rank_order(parts))
         dist.all_reduce(x, group=self.process_group)
         return x
 
@@ -54,7 +64,12 @@ class TPGroup:
         kernel; None where the peer path does not take `x` (the caller then sums with
         `all_reduce` and normalises on its own)."""
         peer = self.peer_all_reduce
-        if self.fused_norm and peer is not None and peer.fits_norm(x):
+        if (
+            self.fused_norm
+            and not self.sum_in_rank_order
+            and peer is not None
+            and peer.fits_norm(x)
+        ):
             return tuple(peer.add_rms_norm(x, residual, weight, eps))
         return None
 
@@ -90,6 +105,16 @@ class TPGroup:
         )
         if callable(abort) and self.backend == "nccl":
             abort()
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' parts added in rank order in float32 (int64 for integers), rounded once to
+    their dtype: what the peer-memory all-reduce computes, bit for bit."""
+    acc_dtype = torch.float32 if parts[0].is_floating_point() else torch.int64
+    acc = torch.zeros(parts[0].shape, dtype=acc_dtype, device=parts[0].device)
+    for part in parts:
+        acc += part.to(acc_dtype)
+    return acc.to(parts[0].dtype)
 
 
 def create_store(world_size: int, timeout_s: float) -> dist.TCPStore:

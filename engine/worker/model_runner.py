@@ -34,6 +34,7 @@ from ..attention.selector import get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
+from ..models.layers.linear import make_batch_invariant
 from ..models.registry import get_model_class
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
@@ -99,7 +100,8 @@ class ModelRunner:
             pdl.set_enabled(envs.programmatic_launch())
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
-        self.backend = get_attention_backend(config.device.attention_backend)
+        batch_invariant = config.device.batch_invariant
+        self.backend = get_attention_backend(config.device.attention_backend, batch_invariant)
         hf_config = config.model.hf_config
         model_cls = get_model_class(config.model.architecture)
         model_kwargs = {} if tp is None else {"tp": tp}
@@ -115,6 +117,10 @@ class ModelRunner:
             max_position=config.model.max_model_len,
             **model_kwargs,
         )
+        if batch_invariant:
+            make_batch_invariant(self.model)
+            if tp is not None:
+                tp.sum_in_rank_order = True
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
         self.kv_dtype = config.cache.cache_dtype or self.dtype

@@ -147,3 +147,54 @@ def test_launcher_rejects_bad_arguments(device):
     ]:
         with pytest.raises(ValueError, match=message):
             prefill_attention(query, *args, qsl, 1.0, 5, **bad)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_token_gets_the_same_bits_in_any_batch_or_chunk(sliding_window, dtype, device):
+    """The batch-invariant mode's property: a token's output is bitwise the same whether
+    its prompt runs whole, in chunks after its cached prefix, one token at a time (decode),
+    or beside other sequences in either order. With a window, the key tiles must start at
+    multiples of the key tile, not at the tile's first visible key."""
+    group, head_dim, length = 2, 32, 50
+    others = [(5, 5), (1, 40), (9, 30)]
+    seq_lens = [length] + [s for _, s in others]
+    key_cache, value_cache, tables = make_paged_cache(
+        seq_lens, 4, NUM_KV_HEADS, head_dim, dtype, device, seed=3
+    )
+    gen = torch.Generator().manual_seed(4)
+    queries = torch.randn(length, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    other_q = [
+        torch.randn(q, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype) for q, _ in others
+    ]
+    launch = {"block_m": 16, "block_n": 16}
+
+    def attend(parts):
+        """parts: (sequence index, first query position, end position) per sequence."""
+        q = [queries[a:b] if s == 0 else other_q[s - 1] for s, a, b in parts]
+        q_lens = [len(x) for x in q]
+        qsl = torch.zeros(len(parts) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(q_lens).cumsum(0)
+        out = prefill_attention(
+            torch.cat(q).to(device),
+            key_cache,
+            value_cache,
+            tables[[s for s, _, _ in parts]],
+            torch.tensor([b for _, _, b in parts], dtype=torch.int32, device=device),
+            qsl.to(device),
+            head_dim**-0.5,
+            max(q_lens),
+            sliding_window,
+            **launch,
+        )
+        return out.split(q_lens)
+
+    whole = attend([(0, 0, length)])[0]
+    chunks = [(0, 13), (13, 29), (29, length)]
+    chunked = torch.cat([attend([(0, a, b)])[0] for a, b in chunks])
+    assert torch.equal(chunked, whole), "chunked after the cached prefix"
+    for pos in (0, 16, 31, length - 1):
+        assert torch.equal(attend([(0, pos, pos + 1)])[0], whole[pos : pos + 1]), f"decode {pos}"
+    mixed = [(1, 0, 5), (0, 13, 29), (2, 39, 40), (3, 21, 30)]
+    assert torch.equal(attend(mixed)[1], whole[13:29]), "beside other sequences"
+    assert torch.equal(attend(mixed[::-1])[2], whole[13:29]), "in reversed order"

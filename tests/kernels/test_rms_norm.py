@@ -64,3 +64,21 @@ def test_launcher_rejects_bad_arguments(device):
         fused_add_rms_norm(x, x.half(), weight, 1e-6)
     with pytest.raises(ValueError, match="x has dtype torch.int64"):
         rms_norm(x.long(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("hidden", [64, 96, gpu_only(4096)])
+def test_a_row_gets_the_same_bits_in_any_batch(hidden, device):
+    """One program per row, launched by the hidden size alone: a row's output does not
+    depend on how many rows come with it (the batch-invariant mode relies on it)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, hidden, generator=gen).to(torch.bfloat16).to(device)
+    residual = torch.randn(37, hidden, generator=gen).to(torch.bfloat16).to(device)
+    weight = torch.randn(hidden, generator=gen).to(torch.bfloat16).to(device)
+    full = fused_add_rms_norm(x, residual, weight, 1e-6)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 7), slice(36, 37)):
+        part = fused_add_rms_norm(x[rows], residual[rows], weight, 1e-6)
+        assert torch.equal(part.out, full.out[rows]) and torch.equal(
+            part.residual, full.residual[rows]
+        )
+    flipped = rms_norm(x.flip(0), weight, 1e-6)
+    assert torch.equal(flipped.flip(0), rms_norm(x, weight, 1e-6))

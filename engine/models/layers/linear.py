@@ -14,6 +14,10 @@ exactly the code it would without tensor parallelism.
 Quantization: the decoder's projections are `Linear` layers, whose matmul a quantization
 method (`models/layers/quant.py`) may take over; the embedding and the LM head are other
 classes and always stay in full precision.
+
+Batch invariance (`make_batch_invariant`): every `Linear` and LM head then multiplies
+through `batch_invariant_linear`, whose rows do not depend on the other rows of the step
+(quantized weights included: they are converted inside the product, with their scales).
 """
 
 from __future__ import annotations
@@ -42,6 +46,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def batch_invariant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x W^T (* weight_scale) (+ bias)`, `[..., in]` → `[..., out]`, where each row is
+    computed the same way whatever the other rows: the Triton kernel on CUDA, elsewhere its
+    reference, which multiplies fixed chunks of rows (`kernels/matmul.py`)."""
+    from batchlm.kernels.matmul import matmul, matmul_ref
+
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    product = matmul if use_triton_kernels(rows) else matmul_ref
+    out = product(rows, weight, bias, weight_scale)
+    return out.reshape(*shape[:-1], weight.shape[0])
 
 
 def _divide(total: int, tp_size: int, what: str) -> int:
@@ -89,13 +113,22 @@ class Linear(nn.Linear):
     stored quantized, with its scales, as the method lays it out)."""
 
     quant_method: LinearMethod | None = None
+    batch_invariant: bool = False
+    """Multiply through `batch_invariant_linear` (set by `make_batch_invariant`)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out], no bias
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, None, self._weight_scale())
         if self.quant_method is None:
             return linear(x, self.weight)
         return self.quant_method.apply(self, x)
 
+    def _weight_scale(self) -> torch.Tensor | None:
+        return None if self.quant_method is None else self.weight_scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias, self._weight_scale())
         if self.quant_method is None:
             return linear(x, self.weight, self.bias)
         out = self.quant_method.apply(self, x)
@@ -213,7 +246,12 @@ class VocabParallelEmbedding(nn.Embedding, _VocabShard):
 class LMHead(nn.Linear):
     """The LM head of one rank (an `nn.Linear`, not a `Linear`: never quantized)."""
 
+    batch_invariant: bool = False
+    """Multiply through `batch_invariant_linear` (set by `make_batch_invariant`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, vocab]
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -221,13 +259,40 @@ class ParallelLMHead(nn.Linear, _VocabShard):
     """LM head with the vocabulary split across ranks: each rank scores its token range, an
     all-gather puts the ranges side by side, and the padding columns are dropped."""
 
+    batch_invariant: bool = False
+    """Multiply through `batch_invariant_linear` (set by `make_batch_invariant`)."""
+
     def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
         rows = self._init_shard(vocab_size, tp)
         nn.Linear.__init__(self, hidden_size, rows, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] → [n, vocab]
-        logits = self.tp.all_gather_last_dim(linear(x, self.weight))
+        if self.batch_invariant:
+            local = batch_invariant_linear(x, self.weight)
+        else:
+            local = linear(x, self.weight)
+        logits = self.tp.all_gather_last_dim(local)
         return logits[:, : self.org_vocab_size]
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Make every linear layer and LM head of `model` compute each row the same way
+    whatever the other rows of its step (`batch_invariant_linear`); norms that carry a
+    `batch_invariant` switch get it too.
+
+    Raises:
+        ValueError: `model` has layers whose rows depend on the batch and have no such
+            path (the routed experts of mixture-of-experts models).
+    """
+    for name, module in model.named_modules():
+        if type(module).__name__ == "FusedMoE":
+            raise ValueError(
+                f"batch_invariant=True does not cover mixture-of-experts layers ({name}: "
+                "their routed matmuls group rows by expert); use a dense model or "
+                "batch_invariant=False"
+            )
+        if hasattr(type(module), "batch_invariant"):
+            module.batch_invariant = True
 
 
 def _is_parallel(tp: TPGroup | None) -> bool:

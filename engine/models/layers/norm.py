@@ -10,8 +10,27 @@ from torch import nn
 
 from batchlm.kernels import use_triton_kernels
 
+from .linear import batch_invariant_linear
+
 if TYPE_CHECKING:
     from ...distributed.parallel import TPGroup
+
+
+def sum_square(h: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """`[..., n]` float32 → `[..., 1]` sums of squares; with `batch_invariant`, a product
+    with a ones vector through `batch_invariant_linear`, one fixed order per row (PyTorch's
+    CUDA reductions split a row across more threads and blocks when the rows are few)."""
+    if not batch_invariant:
+        return h.pow(2).sum(-1, keepdim=True)
+    ones = torch.ones(1, h.shape[-1], dtype=torch.float32, device=h.device)
+    return batch_invariant_linear(h * h, ones)
+
+
+def mean_square(h: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """`[..., n]` float32 → `[..., 1]` means of squares (see `sum_square`)."""
+    if not batch_invariant:
+        return h.pow(2).mean(-1, keepdim=True)
+    return sum_square(h, True) / h.shape[-1]
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +44,11 @@ class RMSNorm(nn.Module):
             its all-reduce to the norm): `x` is summed over the ranks first, in one kernel
             with the add and the norm where the peer-memory all-reduce takes it.
     """
+
+    batch_invariant: bool = False
+    """On the PyTorch path, sum each row's squares in one fixed order whatever the number
+    of rows (`sum_square`); the Triton kernel is invariant as it is (one program per row,
+    launched by the hidden size alone)."""
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, sum_over: TPGroup | None = None
@@ -54,7 +78,7 @@ class RMSNorm(nn.Module):
             residual = x
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(mean_square(h, self.batch_invariant) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
 
@@ -72,6 +96,10 @@ class Float32ScaledRMSNorm(nn.Module):
             q / k norms over the whole projection): each rank holds `hidden_size / tp_size`
             channels of `x` and of the weight, and the mean square is summed over the ranks.
     """
+
+    batch_invariant: bool = False
+    """Sum each row's squares in one fixed order whatever the number of rows
+    (`sum_square`)."""
 
     def __init__(
         self,
@@ -104,10 +132,10 @@ class Float32ScaledRMSNorm(nn.Module):
             residual = x
         h = x.float()
         if self.tp is None:
-            mean_square = h.pow(2).mean(-1, keepdim=True)
+            mean_sq = mean_square(h, self.batch_invariant)
         else:
-            mean_square = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.hidden_size
-        h = h * torch.rsqrt(mean_square + self.eps)
+            mean_sq = self.tp.all_reduce(sum_square(h, self.batch_invariant)) / self.hidden_size
+        h = h * torch.rsqrt(mean_sq + self.eps)
         weight = self.weight.float()
         if self.weight_offset:
             weight = self.weight_offset + weight

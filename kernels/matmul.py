@@ -1,0 +1,279 @@
+"""Batch-invariant matrix product: `y = x W^T (* s) (+ b)` where each row of `y` is
+computed by the same arithmetic whatever the number of rows.
+
+cuBLAS (and most GEMM libraries, the CPU ones included) choose their tiles, their kernel
+and their split of the reduction dimension from all three sizes, so a row's sum over K is
+ordered differently at 1, 7 or 300 rows. Here the launch configuration depends on the
+weight alone (`N`, `K`, dtypes): each program owns a `BLOCK_M x BLOCK_N` tile of the
+output and walks K in `BLOCK_K` steps from 0, accumulating `tl.dot` partial products in
+float32, with no split of K. A row's result therefore depends only on its own values and
+on the weight; the number of rows changes the grid, never what one program computes.
+
+Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output channel
+(`weight_scale`): the tile is converted to the activation dtype in the kernel and the
+scale applied to the float32 sum (weight-only quantization; the activations are not
+quantized).
+
+`matmul_ref` is the plain PyTorch product, made batch-invariant on its own: it multiplies
+fixed chunks of `REF_ROWS` rows (the last one padded with zeros), so every call of the
+underlying CPU GEMM has the same shape. It is the CPU path of the batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .launch import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_num_stages,
+    check_power_of_2,
+    check_same_device,
+    check_tensor,
+    dot_dtype,
+)
+from .pdl import launch_options, wait_for_previous_kernel
+
+__all__ = [
+    "REF_ROWS",
+    "MatmulLaunch",
+    "choose_matmul_launch",
+    "matmul",
+    "matmul_ref",
+]
+
+REF_ROWS = 16
+"""Rows per product in `matmul_ref`: one GEMM shape for every call."""
+QUANT_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+"""Weight dtypes that come with a per-output-channel `weight_scale`."""
+# Output features per program: narrow enough that the narrow layers of a decode step
+# (o_proj, down_proj) still spread over the SMs, wide where N is large.
+_WIDE_N = 8192
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K], rows `stride_wn` apart
+    scale_ptr,  # [N] float32 (read when HAS_SCALE)
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program `pid` owns one output tile; consecutive programs walk `GROUP_M` row tiles
+    of one column band (weight tiles stay in L2). The order of programs changes nothing in
+    any tile's arithmetic."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]; masked K columns add exact zeros.
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+class MatmulLaunch(NamedTuple):
+    """The launch of one `matmul` call: a function of the weight's shape and dtype only."""
+
+    block_m: int
+    """Rows per output tile."""
+    block_n: int
+    """Output features per tile."""
+    block_k: int
+    """Input features per step of the K loop: the unit of every row's reduction order."""
+    num_warps: int
+    num_stages: int
+
+
+def choose_matmul_launch(
+    num_n: int,
+    num_k: int,
+    dtype: torch.dtype,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> MatmulLaunch:
+    """The launch `matmul` makes for a weight of `num_n` outputs by `num_k` inputs whose
+    activations are `dtype`. It never sees the number of rows: that is the invariant.
+    Each None takes its default; the rest are validated (`ValueError` naming the value)."""
+    wide = num_n >= _WIDE_N
+    small = dtype == torch.float32  # float32 tiles take twice the shared memory
+    launch = MatmulLaunch(
+        64 if block_m is None else block_m,
+        (128 if wide and not small else 64) if block_n is None else block_n,
+        (32 if small else 64) if block_k is None else block_k,
+        4 if num_warps is None else num_warps,
+        (3 if small else 4) if num_stages is None else num_stages,
+    )
+    check_power_of_2("block_m", launch.block_m, 16, 256, "rows per tile")
+    check_power_of_2("block_n", launch.block_n, 16, 256, "output features per tile")
+    check_power_of_2("block_k", launch.block_k, 16, 256, "input features per K step")
+    check_power_of_2("num_warps", launch.num_warps, 1, 16, "warps per program")
+    check_num_stages(launch.num_stages)
+    return launch
+
+
+def _check_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    num_k = x.shape[1]
+    quantized = weight.dtype in QUANT_WEIGHT_DTYPES if isinstance(weight, torch.Tensor) else False
+    check_tensor(
+        "weight",
+        weight,
+        ndim=2,
+        dtypes=QUANT_WEIGHT_DTYPES if quantized else (x.dtype,),
+        shape={1: num_k},
+    )
+    num_n = weight.shape[0]
+    if quantized != (weight_scale is not None):
+        raise ValueError(
+            f"weight of dtype {weight.dtype} "
+            + ("needs a weight_scale [N]" if quantized else "takes no weight_scale")
+        )
+    if weight_scale is not None:
+        check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,))
+        check_tensor("weight_scale", weight_scale, shape={0: num_n})
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, shape={0: num_n})
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    **launch: int | None,
+) -> torch.Tensor:
+    """`x @ weight.T`, times `weight_scale` per column, plus `bias`, with every row's
+    arithmetic independent of the other rows and of their number.
+
+    Args:
+        x: `[M, K]` activations (float32 / float16 / bfloat16), unit stride along K.
+        weight: `[N, K]` in x's dtype, or fp8 e4m3 / int8 with `weight_scale`; unit stride
+            along K. Under PDL it is read after the wait, like any input.
+        bias: `[N]` or None, added after the scale.
+        weight_scale: `[N]` float32 per-output-channel scales of a quantized weight.
+        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` overrides (see
+            `choose_matmul_launch`; a row's result depends on `block_k` and the tile
+            shapes, so callers that compare results keep them fixed).
+
+    Returns:
+        `[M, N]` in x's dtype, accumulated in float32.
+    """
+    _check_operands(x, weight, bias, weight_scale)
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        tensors["bias"] = bias
+    if weight_scale is not None:
+        tensors["weight_scale"] = weight_scale
+    device = check_same_device(_matmul_kernel, **tensors)
+    num_m, num_k = x.shape
+    num_n = weight.shape[0]
+    cfg = choose_matmul_launch(num_n, num_k, x.dtype, **launch)
+    y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
+    if num_m == 0 or num_n == 0:
+        return y
+    grid = (cdiv(num_m, cfg.block_m) * cdiv(num_n, cfg.block_n),)
+    _matmul_kernel[grid](
+        x,
+        weight,
+        weight_scale if weight_scale is not None else y,
+        bias if bias is not None else y,
+        y,
+        num_m,
+        num_n,
+        num_k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_SCALE=weight_scale is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=8,
+        DOT_DTYPE=dot_dtype(x.dtype, _matmul_kernel),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_options(_matmul_kernel, device),
+    )
+    return y
+
+
+def matmul_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    weight_scale: torch.Tensor | None = None,  # [N] float32, for fp8 / int8 weights
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`matmul` in plain PyTorch, batch-invariant in its own way: rows are multiplied
+    `REF_ROWS` at a time (the last chunk padded with zeros), so the GEMM underneath always
+    has the same shape, and a row's result does not depend on how many rows came with it.
+    Quantized weights are converted to x's dtype and the product scaled per column."""
+    _check_operands(x, weight, bias, weight_scale)
+    w = weight.to(x.dtype) if weight_scale is not None else weight
+    num_m = x.shape[0]
+    if num_m == 0:
+        return x.new_empty(0, weight.shape[0])
+    pad = -num_m % REF_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    y = torch.cat([F.linear(chunk, w) for chunk in x.split(REF_ROWS)])[:num_m]
+    if weight_scale is not None:
+        y = y * weight_scale.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y

@@ -1,0 +1,146 @@
+"""The batch-invariant matmul against the float32 product, and its invariant: every row of
+the output is bitwise the same whatever rows come with it (how many, in which order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchlm.kernels.matmul import REF_ROWS, choose_matmul_launch, matmul, matmul_ref
+
+from .helpers import DTYPES, gpu_only
+
+# The float32 reference rounded to the output dtype against the kernel's own float32 sum.
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (2e-2, 2e-3),
+    torch.bfloat16: (1.5e-1, 1e-2),
+}
+# Small tiles keep the interpreter fast and still cover several tiles in every dimension.
+SMALL = {"block_m": 16, "block_n": 16, "block_k": 16}
+
+
+def _float32_product(x, w, bias=None, scale=None):
+    y = x.float() @ w.float().T
+    if scale is not None:
+        y = y * scale[None, :]
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def _operands(num_m, num_n, num_k, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_m, num_k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(num_n, num_k, generator=gen) / num_k**0.5).to(dtype).to(device)
+    b = torch.randn(num_n, generator=gen).to(dtype).to(device)
+    return x, w, b
+
+
+@pytest.mark.parametrize(
+    ("num_m", "num_n", "num_k", "launch"),
+    [
+        (5, 48, 64, SMALL),  # several tiles along N and K
+        (37, 50, 100, SMALL),  # ragged in every dimension
+        (1, 40, 24, SMALL),
+        gpu_only(300, 4096, 4096, {}),
+        gpu_only(7, 151936, 896, {}),
+        gpu_only(1, 14336, 4096, {}),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_matches_the_float32_product(num_m, num_n, num_k, launch, bias, dtype, device):
+    x, w, b = _operands(num_m, num_n, num_k, dtype, device, seed=num_m + num_n)
+    b = b if bias else None
+    atol, rtol = TOLERANCE[dtype]
+    expected = _float32_product(x, w, b).float()
+    torch.testing.assert_close(matmul(x, w, b, **launch).float(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(matmul_ref(x, w, b).float(), expected, atol=atol, rtol=rtol)
+
+
+def _assert_rows_invariant(fn, x, w, b):
+    """Row i of `fn` on the whole batch equals it alone, in every prefix of the batch, in
+    reversed order and between other rows: bit for bit."""
+    full = fn(x, w, b)
+    n = x.shape[0]
+    for i in (0, n // 2, n - 1):
+        assert torch.equal(fn(x[i : i + 1], w, b), full[i : i + 1]), f"row {i} alone"
+    for m in (1, 2, 3, 7, n):
+        assert torch.equal(fn(x[:m], w, b), full[:m]), f"first {m} rows"
+    assert torch.equal(fn(x.flip(0), w, b), full.flip(0)), "reversed"
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fn(x[perm], w, b), full[perm]), "shuffled"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_rows_do_not_depend_on_the_batch(dtype, device):
+    x, w, b = _operands(40, 40, 48, dtype, device)
+    _assert_rows_invariant(lambda *a: matmul(*a, **SMALL), x, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_n", "num_k"), [(6144, 4096), (4096, 14336), (49152, 576)])
+def test_matmul_rows_do_not_depend_on_the_batch_at_model_shapes(num_n, num_k, dtype, device):
+    """With the default launch of real layer shapes: 1 row up to 300 (decode to prefill)."""
+    x, w, b = _operands(300, num_n, num_k, dtype, device)
+    _assert_rows_invariant(matmul, x, w, None)
+
+
+def test_the_reference_rows_do_not_depend_on_the_batch():
+    """The CPU path of the mode. Plain `F.linear` on CPU does depend on the batch (a row
+    alone is summed in another order than inside 64 rows); the chunked reference does
+    not."""
+    x, w, b = _operands(64, 96, 80, torch.float32, torch.device("cpu"))
+    differs = [m for m in (1, 2, 3, 7) if not torch.equal(F.linear(x[:m], w), F.linear(x, w)[:m])]
+    assert differs, "F.linear became batch-invariant on this CPU: the reference's chunks can go"
+    _assert_rows_invariant(matmul_ref, x, w, b)
+    assert REF_ROWS > 1
+
+
+def test_quantized_weights_with_scales(device):
+    """int8 weights with per-channel scales, converted in the kernel (fp8 on the GPU)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 40, generator=gen).to(device)
+    q = torch.randint(-127, 128, (24, 40), generator=gen, dtype=torch.int8).to(device)
+    scale = (torch.rand(24, generator=gen) / 100).to(device)
+    expected = _float32_product(x, q.float(), None, scale)
+    torch.testing.assert_close(matmul(x, q, weight_scale=scale, **SMALL), expected)
+    torch.testing.assert_close(matmul_ref(x, q, weight_scale=scale), expected)
+
+
+@pytest.mark.gpu
+def test_fp8_weights_with_scales(device):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 256, generator=gen).to(torch.bfloat16).to(device)
+    w = torch.randn(128, 256, generator=gen).to(torch.float8_e4m3fn).to(device)
+    scale = (torch.rand(128, generator=gen) / 100).to(device)
+    expected = _float32_product(x, w.float(), None, scale).float()
+    torch.testing.assert_close(
+        matmul(x, w, weight_scale=scale).float(), expected, atol=1e-2, rtol=1e-2
+    )
+    _assert_rows_invariant(lambda a, w_, _: matmul(a, w_, weight_scale=scale), x, w, None)
+
+
+def test_matmul_refuses_what_it_would_misread(device):
+    x = torch.randn(3, 32, device=device)
+    w = torch.randn(8, 32, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        matmul(x, torch.randn(8, 16, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        matmul(x, w.half())
+    with pytest.raises(ValueError, match="stride"):
+        matmul(x, torch.randn(32, 8, device=device).T)
+    with pytest.raises(ValueError, match="bias"):
+        matmul(x, w, torch.randn(9, device=device))
+    with pytest.raises(ValueError, match="weight_scale"):
+        matmul(x, w.to(torch.int8))
+    with pytest.raises(ValueError, match="weight_scale"):
+        matmul(x, w, weight_scale=torch.ones(8, device=device))
+
+
+def test_launch_depends_on_the_weight_alone():
+    assert choose_matmul_launch(4096, 4096, torch.bfloat16) == (64, 64, 64, 4, 4)
+    assert choose_matmul_launch(151936, 896, torch.bfloat16).block_n == 128
+    with pytest.raises(ValueError, match="block_k=48"):
+        choose_matmul_launch(64, 64, torch.float16, block_k=48)
