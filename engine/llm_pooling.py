@@ -93,6 +93,41 @@ class PoolingMixin:
                 for v, ids in zip(_rows(vectors), inputs.prompt_token_ids(), strict=True)
             ]
 
+    def embed_matrix(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> np.ndarray:
+        """The embeddings of `prompts` as one float32 `[len(prompts), dim]` array, row i
+        for prompt i, with no object per prompt: what jobs and operators write to Arrow
+        (batchlm's own; `embed` is vLLM's). Every prompt must give the same width; no
+        prompts give a `[0, 0]` array.
+
+        Example:
+            >>> llm.embed_matrix(["hello", "world"]).shape
+            (2, 384)
+        """
+        start = time.perf_counter()
+        runner = self._pooling_runner("embed_matrix", "embed")
+        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
+            inputs, vectors = self._run_chunked(
+                prompts, pooling_params, truncate_prompt_tokens, runner.embed
+            )
+            self._record_pooling(inputs, start)
+        if isinstance(vectors, torch.Tensor):
+            return vectors.numpy()
+        if not vectors:
+            return np.zeros((0, 0), np.float32)
+        widths = sorted({len(v) for v in vectors})
+        if len(widths) > 1:
+            raise InvalidParamError(
+                f"embed_matrix() needs one embedding width, but pooling_params ask for widths "
+                f"{widths}; use embed() for vectors of different widths"
+            )
+        return torch.stack(vectors).numpy()
+
     def classify(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -220,7 +255,9 @@ class PoolingMixin:
             self._record_pooling(inputs, start)
             return [
                 PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
-                for d, ids in zip(_rows(data), inputs.prompt_token_ids(), strict=True)
+                for d, ids in zip(
+                    _rows(data, as_tensors=True), inputs.prompt_token_ids(), strict=True
+                )
             ]
 
     @contextlib.contextmanager
@@ -517,11 +554,12 @@ def _join_results(parts: list[Any]) -> Any:
     return [item for part in parts for item in part]
 
 
-def _rows(results: torch.Tensor | list[Any]) -> Sequence[Any]:
-    """One item per input: a matrix's rows as numpy views (an output makes its list or
-    tensor from one when it is read), else the list as it is."""
+def _rows(results: torch.Tensor | list[Any], as_tensors: bool = False) -> Sequence[Any]:
+    """One item per input: a matrix's rows as tensor views (`as_tensors`) or numpy views
+    (an `EmbeddingOutput` makes its list from one when it is read), else the list as it
+    is."""
     if isinstance(results, torch.Tensor):
-        return list(results.numpy())
+        return results.unbind(0) if as_tensors else list(results.numpy())
     return results
 
 

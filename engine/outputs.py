@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 
 @dataclass
 class Logprob:
@@ -168,32 +166,9 @@ class ScoringOutput:
     score: float
 
 
-class _TensorField:
-    """A dataclass field that may be given a numpy array and always reads as a torch
-    tensor sharing its memory (made on the first read): a large `encode` call hands each
-    output a row of one host matrix, as `_ListField` does for `embed`."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.key = "_" + name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            raise AttributeError(self.key[1:])
-        value = obj.__dict__[self.key]
-        if isinstance(value, np.ndarray):
-            import torch
-
-            value = torch.from_numpy(value)
-            obj.__dict__[self.key] = value
-        return value
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.key] = value
-
-
 @dataclass
 class PoolingOutput:
-    data: Any = _TensorField()
+    data: Any
     """A torch tensor: `[hidden]` / `[num_labels]` per sequence, `[num_tokens, ...]` per token."""
 
 

@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from batchlm.engine.errors import InvalidParamError, InvalidPromptError
 from batchlm.engine.pooling_params import PoolingParams
@@ -496,10 +495,9 @@ def _pooling_rows(llm: Any, spec: RowSpec, table: pa.Table, info: ModelInfo) -> 
     if spec.task == "embed":
 
         def call(items: list[Any]) -> list[Any]:
-            # Tensors (views of one host copy per engine batch), not a list of floats per
+            # Rows of one float32 matrix, not an output object and a list of floats per
             # text: the column is built from them in one copy.
-            outs = llm.encode(items, spec.pooling, pooling_task="embed", **kwargs)
-            return [o.outputs.data for o in outs]
+            return list(llm.embed_matrix(items, spec.pooling, **kwargs))
     elif spec.task == "classify":
 
         def call(items: list[Any]) -> list[Any]:
@@ -546,9 +544,7 @@ def _fixed_size(rows: list[Any], size: int) -> pa.FixedSizeListArray:
     picked = [row for row in rows if row is not None] if failed else rows
     if not picked:
         values = np.zeros((0, size), np.float32)
-    elif isinstance(picked[0], torch.Tensor):  # `encode`'s tensors: one stack, one copy
-        values = torch.stack(picked).to(torch.float32).numpy()
-    else:
+    else:  # rows of `embed_matrix`, or lists of probabilities
         values = np.asarray(picked, dtype=np.float32)
     mask = None
     if failed:  # null rows, with zeros under them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,6 +175,12 @@ def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path):
     for f, c in zip(full, cut, strict=True):
         expected = torch.nn.functional.normalize(torch.tensor(f.outputs.embedding[:128]), dim=0)
         assert torch.allclose(torch.tensor(c.outputs.embedding), expected, atol=1e-6)
+    matrix = llm.embed_matrix(SENTENCES[:3], PoolingParams(dimensions=128), use_tqdm=False)
+    assert matrix.shape == (3, 128)
+    np.testing.assert_array_equal(matrix, np.array([c.outputs.embedding for c in cut], np.float32))
+    mixed = [PoolingParams(dimensions=128), PoolingParams()]
+    with pytest.raises(InvalidParamError, match=r"one embedding width.*\[128, 384\]"):
+        llm.embed_matrix(SENTENCES[:2], mixed, use_tqdm=False)
 
 
 def test_encode_and_wrong_task_errors(minilm, tiny_model_factory):
@@ -223,6 +230,10 @@ def test_chunked_tokenization_gives_the_same_results(minilm, monkeypatch):
         torch.stack([o.outputs.data for o in got_data]),
         torch.stack([o.outputs.data for o in expected_probs]),
     )
+    # embed_matrix: encode's vectors (same chunks, same batches) as one array, in input order.
+    matrix = minilm.embed_matrix(texts, use_tqdm=False)
+    assert matrix.dtype == np.float32 and matrix.shape == (len(texts), 384)
+    np.testing.assert_array_equal(matrix, torch.stack([o.outputs.data for o in got_data]).numpy())
     bad = [*texts[:7], {"prompt_token_ids": [101] + [2000] * 600 + [102]}, *texts[7:]]
     with pytest.raises(InvalidPromptError, match=r"prompts\[7\] has 602 tokens"):
         minilm.embed(bad, use_tqdm=False)

@@ -1,7 +1,7 @@
 """`EngineLoop` over a scripted fake engine: overlap, per-batch answers, retries, merging.
 
 The fake engine finishes a prompt of k words after k steps, so the tests control which
-batch is still running; a prompt with the word HOLD (and every encode call) waits for the
+batch is still running; a prompt with the word HOLD (and every embed_matrix call) waits for the
 test's `gate` event, and `busy` tells the test that the engine has started working. The
 real engines are exercised by test_ray_data.py.
 """
@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -57,10 +58,10 @@ class FakeEngine:
 
 
 class FakeLLM:
-    """Generation: `enqueue` + `llm_engine.step()`; pooling: `encode` (2-d: [len, 1]).
+    """Generation: `enqueue` + `llm_engine.step()`; pooling: `embed_matrix` ([len, 1] per text).
 
-    `gate`: while it is not set, prompts with the word HOLD make no progress and `encode`
-    waits. `busy` is set as soon as a step or an encode call starts.
+    `gate`: while it is not set, prompts with the word HOLD make no progress and `embed_matrix`
+    waits. `busy` is set as soon as a step or an embed_matrix call starts.
     """
 
     def __init__(self, step_s: float = 0.0, gate: threading.Event | None = None) -> None:
@@ -90,17 +91,14 @@ class FakeLLM:
     def is_held(self, prompt: str) -> bool:
         return self.gate is not None and not self.gate.is_set() and "HOLD" in prompt.split()
 
-    def encode(
-        self, texts: list[str], params: object, pooling_task: str, **kwargs: object
-    ) -> list[SimpleNamespace]:
-        assert pooling_task == "embed"
+    def embed_matrix(self, texts: list[str], params: object, **kwargs: object) -> np.ndarray:
         self.busy.set()
         if self.gate is not None:
             assert self.gate.wait(timeout=10), "the test never opened the gate"
         self.embed_calls.append(len(texts))
         if any("CRASH" in t for t in texts):
             raise RuntimeError("device lost")
-        return [SimpleNamespace(outputs=SimpleNamespace(data=[len(t), 1.0])) for t in texts]
+        return np.array([[len(t), 1.0] for t in texts], np.float32).reshape(-1, 2)
 
     def shutdown(self) -> None:
         self.is_shut_down = True
