@@ -541,9 +541,9 @@ RECORDS_SCHEMA = {
 request writes 256 tokens, through keys, bounded integers, strings and enums."""
 
 
-def w1_json(args, rec: Recorder, folder: Path) -> None:
-    """W1's batch with `RECORDS_SCHEMA` on every request against the same batch
-    unconstrained, both batchlm, same engine, same run."""
+def w1_json_inputs(folder: Path) -> tuple[Path, list[list[int]]]:
+    """W1-json's synthetic tokenizer and prompts, with the model made in `folder` if it
+    holds none (shared with the vLLM baseline, `vllm_w1_json.py`)."""
     if not (folder / "config.json").exists():
         build_random_model(LLAMA_8B, folder)
         release()
@@ -554,7 +554,14 @@ def w1_json(args, rec: Recorder, folder: Path) -> None:
         LLAMA_8B["bos_token_id"],
         LLAMA_8B["eos_token_id"],
     )
-    prompts = prompts_of([512] * 256, vocab, 0)
+    return tokenizer, prompts_of([512] * 256, vocab, 0)
+
+
+def w1_json(args, rec: Recorder, folder: Path) -> None:
+    """W1's batch with `RECORDS_SCHEMA` on every request against the same batch
+    unconstrained, both batchlm, same engine, same run."""
+    tokenizer, prompts = w1_json_inputs(folder)
+    vocab = LLAMA_8B["vocab_size"]
     llm = make_llm(
         folder, args, max_num_seqs=256, tokenizer=str(tokenizer), skip_tokenizer_init=False
     )

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from common import Recorder
-from gpu_generate import LLAMA_8B, RECORDS_SCHEMA, build_random_model, prompts_of, release
-from synthetic_tokenizer import build_tokenizer
+from gpu_generate import LLAMA_8B, RECORDS_SCHEMA, w1_json_inputs
 
 
 def main() -> None:
@@ -30,16 +28,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     folder = Path(args.model_dir)
-    if not (folder / "config.json").exists():
-        build_random_model(LLAMA_8B, folder)
-        release()
+    tokenizer, token_prompts = w1_json_inputs(folder)
     vocab = LLAMA_8B["vocab_size"]
-    tokenizer = build_tokenizer(
-        Path(tempfile.mkdtemp(prefix="bench-tokenizer-")),
-        vocab,
-        LLAMA_8B["bos_token_id"],
-        LLAMA_8B["eos_token_id"],
-    )
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -54,7 +44,7 @@ def main() -> None:
         seed=0,
     )
     init_s = time.perf_counter() - start
-    prompts = [{"prompt_token_ids": p} for p in prompts_of([512] * 256, vocab, 0)]
+    prompts = [{"prompt_token_ids": p} for p in token_prompts]
     free = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
     constraint = StructuredOutputsParams(json=RECORDS_SCHEMA, disable_any_whitespace=True)
     constrained = SamplingParams(

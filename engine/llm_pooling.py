@@ -78,16 +78,12 @@ class PoolingMixin:
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
         check_unsupported_options(lora_request)
-        start = time.perf_counter()
         runner = self._pooling_runner("embed", "embed")
-        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
-            inputs, vectors = self._run_chunked(
-                prompts,
-                pooling_params,
-                truncate_prompt_tokens,
-                runner.embed,  # host tensors: each output's list is made when it is read
+        with _gc_paused():
+            # Host vectors: each output's list is made when it is read.
+            inputs, vectors = self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, runner, runner.embed
             )
-            self._record_pooling(inputs, start)
             return [
                 EmbeddingRequestOutput(self._next_id(), EmbeddingOutput(v), ids)
                 for v, ids in zip(_rows(vectors), inputs.prompt_token_ids(), strict=True)
@@ -109,13 +105,11 @@ class PoolingMixin:
             >>> llm.embed_matrix(["hello", "world"]).shape
             (2, 384)
         """
-        start = time.perf_counter()
         runner = self._pooling_runner("embed_matrix", "embed")
-        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
-            inputs, vectors = self._run_chunked(
-                prompts, pooling_params, truncate_prompt_tokens, runner.embed
+        with _gc_paused():
+            _, vectors = self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, runner, runner.embed
             )
-            self._record_pooling(inputs, start)
         if isinstance(vectors, torch.Tensor):
             return vectors.numpy()
         if not vectors:
@@ -138,13 +132,11 @@ class PoolingMixin:
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
         check_unsupported_options(lora_request)
-        start = time.perf_counter()
         runner = self._pooling_runner("classify", "classify")
-        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
-            inputs, probs = self._run_chunked(
-                prompts, pooling_params, truncate_prompt_tokens, runner.classify
+        with _gc_paused():
+            inputs, probs = self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, runner, runner.classify
             )
-            self._record_pooling(inputs, start)
             return [
                 ClassificationRequestOutput(self._next_id(), ClassificationOutput(p.tolist()), ids)
                 for p, ids in zip(probs, inputs.prompt_token_ids(), strict=True)
@@ -241,7 +233,6 @@ class PoolingMixin:
                 f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
                 "'token_embed'"
             )
-        start = time.perf_counter()
         runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
         if pooling_task == "embed":
             run = runner.embed
@@ -250,15 +241,35 @@ class PoolingMixin:
         else:
             run = runner.token_embed
 
-        with _gc_paused(), self._progress(runner, use_tqdm, _num_prompts(prompts)):
-            inputs, data = self._run_chunked(prompts, pooling_params, truncate_prompt_tokens, run)
-            self._record_pooling(inputs, start)
+        with _gc_paused():
+            inputs, data = self._pool(
+                prompts, pooling_params, truncate_prompt_tokens, use_tqdm, runner, run
+            )
             return [
                 PoolingRequestOutput(self._next_id(), PoolingOutput(d), ids)
                 for d, ids in zip(
                     _rows(data, as_tensors=True), inputs.prompt_token_ids(), strict=True
                 )
             ]
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool | Callable[..., Any],
+        runner: PoolingRunner,
+        run: Callable[[PackedInputs, list[PoolingParams]], Any],
+    ) -> tuple[PackedInputs, Any]:
+        """`run` (a task of `runner`) over the prompts, tokenized a chunk ahead where that
+        pays, with the call's progress bar and metrics; the inputs and `run`'s results."""
+        start = time.perf_counter()
+        with self._progress(runner, use_tqdm, _num_prompts(prompts)):
+            inputs, results = self._run_chunked(
+                prompts, pooling_params, truncate_prompt_tokens, run
+            )
+        self._record_pooling(inputs, start)
+        return inputs, results
 
     @contextlib.contextmanager
     def _progress(
