@@ -89,7 +89,7 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        self._validate()
+        self.validate()
         if not isinstance(self.model, (str, Path)):
             raise InvalidParamError(f"model={self.model!r} must be a path or a model name")
         path = resolve_model(str(self.model), self.revision)
@@ -426,7 +426,10 @@ class EngineArgs:
             )
         return backend
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Checks every option's value on its own (no model file is read);
+        `InvalidParamError` names the first bad one."""
+
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
             if value is None and allow_none:
                 return

@@ -304,9 +304,14 @@ def _validate(
     engine = values.get("engine")
     if engine:
         from batchlm.engine.engine_args import EngineArgs
+        from batchlm.engine.errors import InvalidParamError
 
         valid = tuple(f.name for f in fields(EngineArgs) if f.name != "model")
         _check_keys(dict(engine), valid, "engine")
+        try:  # the values too, before any shard is read or engine built
+            EngineArgs(model=str(values.get("model")), **dict(engine)).validate()
+        except InvalidParamError as e:
+            raise JobSpecError(f"engine: {e}") from None
 
 
 def _stage_config(values: dict[str, Any], columns: Mapping[str, str]) -> OperatorConfig:

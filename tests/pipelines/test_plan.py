@@ -52,6 +52,20 @@ def test_concurrency_is_a_count_or_an_autoscaling_range():
         JobSpec.from_dict({**base, "concurrency": "two"})
 
 
+def test_batch_invariant_is_a_job_engine_option():
+    """`engine: {batch_invariant: true}` reaches the engine's device config; a value that is
+    not a boolean is refused when the job is read, naming the key."""
+    from batchlm.engine.engine_args import EngineArgs
+
+    base = {"input": "data/", "task": "embed", "model": MINILM, "output": "out/"}
+    job = JobSpec.from_dict({**base, "engine": {"batch_invariant": True}})
+    config = job.to_operator_config()
+    args = EngineArgs.from_kwargs(config.model, **config.engine_kwargs)
+    assert args.create_engine_config().device.batch_invariant is True
+    with pytest.raises(JobSpecError, match="batch_invariant"):
+        JobSpec.from_dict({**base, "engine": {"batch_invariant": "yes"}})
+
+
 def test_set_overrides_are_yaml_values(tmp_path):
     path = write_job(
         tmp_path / "job.yaml",
