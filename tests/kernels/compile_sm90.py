@@ -1,6 +1,6 @@
 """Compile every kernel, exactly as its launcher would launch it, for an H100 / H200 (sm_90)
 with Triton's offline compiler: catches what the CPU interpreter cannot (code generation,
-layouts, `tl.dot` shape rules, shared memory), with no GPU.
+layouts, `tl.dot` shape rules, shared memory, software pipelining), with no GPU.
 
 Run as a script in a process without TRITON_INTERPRET (the kernels must be real JIT
 functions): `python3 -m tests.kernels.compile_sm90` prints one line per compiled launch and
@@ -20,15 +20,6 @@ import torch
 
 # Largest dynamic shared memory one block may use on sm_90 (227 KiB).
 SM90_MAX_SHARED_BYTES = 232448
-
-_POINTER_TYPES = {
-    torch.float32: "*fp32",
-    torch.float16: "*fp16",
-    torch.bfloat16: "*bf16",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-    torch.float8_e4m3fn: "*fp8e4nv",
-}
 
 
 @dataclass
@@ -69,36 +60,39 @@ def recording(module: Any, *kernel_names: str) -> Iterator[list[_Launch]]:
             setattr(module, name, value)
 
 
-def compile_launch(launch: _Launch) -> Any:
-    """Compile one recorded launch for sm_90; returns the compiled kernel."""
+def compile_launch(launch: _Launch, **option_overrides: Any) -> Any:
+    """Compile one recorded launch for sm_90 (with `option_overrides`, e.g. `num_stages=1`,
+    replacing the launch's own); returns the compiled kernel.
+
+    The arguments are specialised by the JIT's own binder, as a launch on the device
+    specialises them: an integer equal to 1 becomes a constant, and pointers and integers
+    divisible by 16 carry `tt.divisibility = 16`. Without that alignment no load is wide
+    enough for `cp.async` (4 bytes at least), so the compiled code would not be the code the
+    device runs: no software pipelining, one stage of shared memory at any `num_stages`.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     fn = launch.kernel
-    options = {
-        k: launch.kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in launch.kwargs
-    }
-    values = dict(zip(fn.arg_names, launch.args, strict=False))
-    values.update({k: v for k, v in launch.kwargs.items() if k not in options})
-    signature, constexprs = {}, {}
-    for param in fn.params:
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = _POINTER_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: cannot type argument {param.name}={value!r}")
-    source = ASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    option_names = ("num_warps", "num_stages", "launch_pdl")
+    options = {k: v for k, v in launch.kwargs.items() if k in option_names}
+    options.update(option_overrides)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kernel_args = {k: v for k, v in launch.kwargs.items() if k not in option_names}
+    _, specialization, _ = binder(*launch.args, **kernel_args)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, (kind, spec)) in enumerate(zip(fn.params, specialization, strict=True)):
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = spec
+        elif isinstance(spec, str):
+            attrs[(i,)] = backend.parse_attr(spec)
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options)
 
 
 def _paged(num_seqs, q_len, dtype, head_dim, group, block_size=16, num_kv_heads=2):
@@ -240,6 +234,26 @@ def record_all_launches() -> list[_Launch]:
     return launches
 
 
+# Kernels whose main loop must be software-pipelined on sm_90 (`cp.async` loads, one shared
+# memory buffer per stage): at decode sizes they are bound by streaming the expert weights.
+PIPELINED_KERNELS = ("_moe_gate_up_kernel", "_moe_down_kernel")
+
+
+def check_pipelined(launch: _Launch, compiled: Any) -> str | None:
+    """None when `launch` (compiled as `compiled`) is software-pipelined, or why it is not:
+    its PTX must copy tiles with `cp.async`, and at 3 stages it must hold more shared memory
+    than at 1 (at 2 stages the one prefetch buffer can fit in the epilogue's scratch)."""
+    if "cp.async.cg.shared.global" not in compiled.asm["ptx"]:
+        return "no cp.async in its PTX"
+    one = compile_launch(launch, num_stages=1).metadata.shared
+    if launch.kwargs.get("num_stages") != 3:
+        compiled = compile_launch(launch, num_stages=3)
+    three = compiled.metadata.shared
+    if three <= one:
+        return f"{three} bytes of shared memory at 3 stages, {one} at 1"
+    return None
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("run without TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
@@ -260,6 +274,12 @@ def main() -> int:
             if bool(waits) != launch.kwargs["PDL"]:
                 print(f"{name} {constexprs}: {waits} griddepcontrol.wait", file=sys.stderr)
                 return 1
+        if name in PIPELINED_KERNELS and launch.kwargs["num_stages"] > 1:  # as on the device
+            why = check_pipelined(launch, compiled)
+            if why is not None:
+                print(f"{name} {constexprs} is not pipelined: {why}", file=sys.stderr)
+                return 1
+            print(f"{name} {constexprs}: pipelined", flush=True)
     return 0
 
 

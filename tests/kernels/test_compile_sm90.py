@@ -1,5 +1,6 @@
 """Every kernel compiles for an H100 / H200 (sm_90) as its launcher launches it, within the
-shared memory a block may use — checked with Triton's offline compiler, no GPU needed."""
+shared memory a block may use, and the grouped expert GEMMs are software-pipelined —
+checked with Triton's offline compiler, no GPU needed."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def test_kernels_compile_for_sm90():
         assert any(
             line.startswith(kernel) and "'HAS_SOFTCAP': True" in line for line in compiled
         ), kernel
+    # Pipelined with bfloat16 / float16 weights and with fp8 ones (WEIGHT_SCALED).
+    for kernel in ("_moe_gate_up", "_moe_down"):
+        for scaled in (False, True):
+            assert any(
+                line.startswith(kernel)
+                and f"'WEIGHT_SCALED': {scaled}" in line
+                and line.endswith(": pipelined")
+                for line in compiled
+            ), (kernel, scaled)
