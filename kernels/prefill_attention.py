@@ -15,8 +15,20 @@ group (GQA). It streams the keys the tile can see (causal, optionally windowed) 
 Key tiles start at multiples of `BLOCK_N` (a windowed tile's first one is aligned down),
 and a key a row cannot see adds exact zeros to its sums: so each token's arithmetic
 depends on its own position and keys, never on which tile, chunk or batch it came in. The
-launch depends on the model's shapes alone. That makes the kernel batch-invariant, which
+tiles depend on the model's shapes alone. That makes the kernel batch-invariant, which
 the engine's `batch_invariant` mode runs every step on.
+
+Fixed key splits (`fixed_split_size`, the batch-invariant mode's): the keys are cut at
+multiples of the split size, counted from position 0. Each split's partial softmax (row
+maxima, sums, unnormalised outputs) starts from scratch, and the partials are folded in
+split order by one function (`merge_split`, explicit fma, a split without keys for a row
+leaves the row unchanged). A split that a row sees no key of gives it an empty partial, so
+a row's result is its own splits folded in order, whoever computed them. Two launches give
+those bits: each query tile's program folds its splits as it goes (prefills, large
+batches), or one program per (query tile, kv head, split) stores its raw float32 partial
+and `merge_fixed_splits` folds them (few programs otherwise: decode at small
+batches, long contexts). The split programs' grid depends on `max_seq_len`, a bound that a
+CUDA graph fixes at `max_model_len`; programs of splits past a sequence's context exit.
 """
 
 from __future__ import annotations
@@ -39,23 +51,88 @@ from .launch import (
     check_tensor,
     dot_dtype,
     next_power_of_2,
+    num_sms,
 )
-from .paged_tile import load_paged_tile, online_softmax_tile, scale_scores
+from .merge_fixed_splits import merge_fixed_splits
+from .paged_tile import (
+    NEG_BIG,
+    load_paged_tile,
+    merge_split,
+    online_softmax_tile,
+    scale_scores,
+)
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = ["prefill_attention", "prefill_attention_ref"]
+__all__ = ["FIXED_SPLIT_SIZE", "prefill_attention", "prefill_attention_ref"]
 
-# Below any real scaled score, yet finite: a row with no visible key in a tile keeps
-# m = _NEG_BIG, and exp2(-inf - _NEG_BIG) = 0 instead of exp2(-inf + inf) = nan.
-_NEG_BIG = tl.constexpr(-1.0e30)
 # Default tile: (token, head) rows and keys. 16-bit heads of 128 with a GQA group of 8 or
 # less take taller, shorter tiles: faster for them, slower for heads of 64 (sweeps in
 # docs/performance.md). float32 or wider heads halve the key tile (shared memory).
 _BLOCK_M, _BLOCK_N = 64, 64
 _TALL_BLOCK_M, _TALL_BLOCK_N = 128, 32
+FIXED_SPLIT_SIZE = 512
+"""Keys per split of the batch-invariant mode (`fixed_split_size`): a multiple of every key
+tile, fixed so that no row's arithmetic depends on its batch."""
+# Split programs hold every (token, head, split) partial in float32; past this many bytes
+# the step folds its splits in registers instead (the same bits, fewer programs).
+_MAX_SPLIT_WORKSPACE = 128 << 20
+# CUDA's limit on a grid's last axis, which holds kv heads x splits.
+_MAX_GRID_Z = 65535
 
 
-@triton.jit(do_not_specialize=["sliding_window"])
+@triton.jit
+def _attend_key_range(
+    q,  # [BLOCK_M, BLOCK_D] the tile's queries, DOT_DTYPE
+    q_pos,  # [BLOCK_M] each row's position
+    lo,  # first key, a multiple of BLOCK_N
+    hi,  # one past the last key
+    table_ptr,  # the sequence's row of the block table
+    k_head_ptr,  # the key cache at this kv head
+    v_head_ptr,  # the value cache at this kv head
+    offs_d,
+    d_mask,
+    scale_log2,
+    softcap_log2,
+    sliding_window,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Online softmax of the tile's rows over keys `[lo, hi)`, from scratch: returns the
+    base-2 row maxima `[BLOCK_M]` (`NEG_BIG` for a row that sees none of them), row sums
+    `[BLOCK_M]` and unnormalised outputs `[BLOCK_M, BLOCK_D]`, all float32."""
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = load_paged_tile(
+            k_head_ptr, blocks, in_block, offs_d, stride_kb, stride_ks, kv_mask
+        )  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        s = scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP)
+        distance = q_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        visible = (distance >= 0) & (distance < sliding_window) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        v = load_paged_tile(
+            v_head_ptr, blocks, in_block, offs_d, stride_vb, stride_vs, kv_mask
+        )  # [BLOCK_N, BLOCK_D]
+        m_i, l_i, acc = online_softmax_tile(s, v, m_i, l_i, acc, DOT_DTYPE)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["sliding_window", "num_splits"])
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -63,10 +140,13 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
-    out_ptr,  # [num_tokens, num_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim] (unused with SPLIT_PROGRAMS)
+    partial_ptr,  # SPLIT_PROGRAMS: [num_tokens, num_heads, num_splits, head_dim] float32
+    max_sum_ptr,  # SPLIT_PROGRAMS: [2, num_tokens, num_heads, num_splits] float32
     scale_log2,  # softmax scale * log2(e)
     softcap_log2,  # soft-cap * log2(e) (unused without HAS_SOFTCAP)
     sliding_window,  # keys at distance >= this are skipped (NO_WINDOW: none)
+    num_splits,  # SPLIT_PROGRAMS: key splits per sequence, the last one unbounded
     stride_qt,
     stride_qh,
     stride_kb,
@@ -78,6 +158,12 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_mx,  # from the maxima to the sums
+    stride_mt,
+    stride_mh,
     GROUP: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -85,15 +171,27 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """SPLIT_SIZE == 0: one online softmax over all the keys. Else the keys are split at
+    multiples of SPLIT_SIZE (a multiple of BLOCK_N); each split's partial softmax starts
+    from scratch and the partials are folded in split order (`merge_split`): by this
+    program, or with SPLIT_PROGRAMS by one program per split (grid axis 2 holds
+    `kv_head * num_splits + split`), which stores its raw partial for
+    `merge_fixed_splits` to fold."""
     wait_for_previous_kernel(PDL)
     # The last tiles of a sequence see the most keys: they start first, for a shorter tail.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    if SPLIT_PROGRAMS:
+        kv_head = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     first_tok = tile * TOKENS_PER_TILE
@@ -124,35 +222,58 @@ def _prefill_kernel(
     table_ptr = block_tables_ptr + seq * stride_bt
     k_head_ptr = key_cache_ptr + kv_head * stride_kh
     v_head_ptr = value_cache_ptr + kv_head * stride_vh
+    out_mask = row_mask[:, None] & d_mask[None, :]
 
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = load_paged_tile(
-            k_head_ptr, blocks, in_block, offs_d, stride_kb, stride_ks, kv_mask
-        )  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
-        s = scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP)
-        distance = q_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        visible = (distance >= 0) & (distance < sliding_window) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        v = load_paged_tile(
-            v_head_ptr, blocks, in_block, offs_d, stride_vb, stride_vs, kv_mask
-        )  # [BLOCK_N, BLOCK_D]
-        m_i, l_i, acc = online_softmax_tile(s, v, m_i, l_i, acc, DOT_DTYPE)
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & d_mask[None, :],
-    )
+    if SPLIT_PROGRAMS:
+        lo = tl.maximum(start, split * SPLIT_SIZE)
+        # The last split takes whatever lies past the bound the launch was sized for.
+        hi = tl.where(split == num_splits - 1, end, tl.minimum(end, (split + 1) * SPLIT_SIZE))
+        # Every split a row of the tile sees keys in is non-empty here; the merge reads no
+        # other.
+        if lo < hi:
+            m_i, l_i, acc = _attend_key_range(
+                q, q_pos, lo, hi, table_ptr, k_head_ptr, v_head_ptr, offs_d, d_mask,
+                scale_log2, softcap_log2, sliding_window, stride_kb, stride_ks, stride_vb,
+                stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+            )  # fmt: skip
+            at = q_rows * stride_mt + heads * stride_mh + split  # [BLOCK_M]
+            tl.store(max_sum_ptr + at, m_i, mask=row_mask)
+            tl.store(max_sum_ptr + stride_mx + at, l_i, mask=row_mask)
+            tl.store(
+                partial_ptr
+                + q_rows[:, None] * stride_pt
+                + heads[:, None] * stride_ph
+                + split * stride_ps
+                + offs_d[None, :],
+                acc,
+                mask=out_mask,
+            )
+    else:
+        if SPLIT_SIZE == 0:
+            m_i, l_i, acc = _attend_key_range(
+                q, q_pos, start, end, table_ptr, k_head_ptr, v_head_ptr, offs_d, d_mask,
+                scale_log2, softcap_log2, sliding_window, stride_kb, stride_ks, stride_vb,
+                stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+            )  # fmt: skip
+        else:
+            m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for split_start in range(start - start % SPLIT_SIZE, end, SPLIT_SIZE):
+                m_s, l_s, acc_s = _attend_key_range(
+                    q, q_pos, tl.maximum(start, split_start),
+                    tl.minimum(end, split_start + SPLIT_SIZE), table_ptr, k_head_ptr,
+                    v_head_ptr, offs_d, d_mask, scale_log2, softcap_log2, sliding_window,
+                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE,
+                    BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+                )  # fmt: skip
+                m_i, l_i, acc = merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 def prefill_attention(
@@ -168,6 +289,9 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     *,
     softcap: float | None = None,
+    fixed_split_size: int | None = None,
+    max_seq_len: int | None = None,
+    split_programs: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -191,6 +315,18 @@ def prefill_attention(
         out: Optional `[num_tokens, num_heads, head_dim]` output buffer.
         softcap: Soft-cap of the scaled scores (`softcap * tanh(score / softcap)`), > 0;
             None: none.
+        fixed_split_size: Split every context at multiples of this many keys (a multiple
+            of the key tile; `FIXED_SPLIT_SIZE` in the batch-invariant mode), attend each
+            split from scratch and fold the splits in order (see the module docstring).
+            None: one pass over the keys.
+        max_seq_len: An upper bound of `seq_lens` (from the host): sizes the grid of split
+            programs. Longer contexts are still attended in full, their excess in the last
+            split, without the bitwise guarantee. None: no split programs.
+        split_programs: With `fixed_split_size`, attend each split in its own program
+            and fold them in a second kernel (more programs for few, long contexts), or
+            fold them in the program of the query tile: the same bits either way. None:
+            split programs when the step's query tiles alone would leave most SMs idle
+            (needs `max_seq_len`).
         block_m, block_n, num_warps, num_stages: Launch overrides (None: the defaults):
             (token, head) rows per tile (a power of two >= 16 and >= the GQA group), keys
             per tile (a power of two >= 16), warps, pipeline stages.
@@ -243,7 +379,25 @@ def prefill_attention(
         launch["num_warps"] = check_power_of_2("num_warps", num_warps, 1, 16, "warps per tile")
     if num_stages is not None:
         launch["num_stages"] = check_num_stages(num_stages)
-    grid = (cdiv(max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
+    device = query.device
+    num_tiles = cdiv(max_query_len, tokens_per_tile)
+    num_splits = choose_split_programs(
+        fixed_split_size, block_n, max_seq_len, split_programs, num_tiles * num_seqs * num_kv_heads,
+        num_kv_heads, num_tokens * query.shape[1] * (head_dim + 2) * 4, device,
+    )  # fmt: skip
+    if num_splits:
+        partial = torch.empty(
+            num_tokens, query.shape[1], num_splits, head_dim, dtype=torch.float32, device=device
+        )
+        max_sum = torch.empty(
+            2, num_tokens, query.shape[1], num_splits, dtype=torch.float32, device=device
+        )
+        split_strides = (*partial.stride()[:3], *max_sum.stride()[:3])
+        grid = (num_tiles, num_seqs, num_kv_heads * num_splits)
+    else:
+        partial, max_sum, split_strides = out, out, (0,) * 6
+        grid = (num_tiles, num_seqs, num_kv_heads)
+    block_d = max(16, next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     _prefill_kernel[grid](
         query,
         key_cache,
@@ -252,9 +406,12 @@ def prefill_attention(
         seq_lens,
         query_start_loc,
         out,
+        partial,
+        max_sum,
         scale * math.log2(math.e),
         (softcap or 0.0) * math.log2(math.e),
         sliding_window or NO_WINDOW,
+        max(num_splits, 1),
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -266,19 +423,86 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        *split_strides,
         GROUP=group,
         TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),  # tl.dot needs every dimension >= 16
+        BLOCK_D=block_d,
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=block_n,
+        SPLIT_SIZE=fixed_split_size or 0,
+        SPLIT_PROGRAMS=bool(num_splits),
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
         HAS_SOFTCAP=softcap is not None,
         **launch,
-        **launch_options(_prefill_kernel, query.device),
+        **launch_options(_prefill_kernel, device),
     )
+    if num_splits:
+        merge_fixed_splits(
+            partial, max_sum, seq_lens, query_start_loc, fixed_split_size, num_kv_heads, out,
+            sliding_window,
+        )  # fmt: skip
     return out
+
+
+def choose_split_programs(
+    fixed_split_size: int | None,
+    block_n: int,
+    max_seq_len: int | None,
+    split_programs: bool | None,
+    num_programs: int,
+    num_kv_heads: int,
+    bytes_per_split: int,
+    device: torch.device,
+) -> int:
+    """How many split programs `prefill_attention` launches per (query tile, kv head); 0:
+    none (each query tile's program attends all its keys). Validates the split arguments
+    (`ValueError` naming the bad value).
+
+    Args:
+        fixed_split_size, max_seq_len, split_programs: As in `prefill_attention`.
+        block_n: Keys per tile.
+        num_programs: Programs without split programs (query tiles x sequences x kv heads).
+        num_kv_heads: KV heads (split programs share the grid's last axis with them).
+        bytes_per_split: Workspace bytes of one split's partials for the whole step.
+        device: Where the kernel runs (its SM count decides the default).
+    """
+    if fixed_split_size is None:
+        if split_programs:
+            raise ValueError("split_programs=True needs a fixed_split_size")
+        return 0
+    if (
+        isinstance(fixed_split_size, bool)
+        or not isinstance(fixed_split_size, int)
+        or fixed_split_size < block_n
+        or fixed_split_size % block_n
+    ):
+        raise ValueError(
+            f"fixed_split_size={fixed_split_size!r} must be a positive multiple of the key "
+            f"tile block_n={block_n}"
+        )
+    if split_programs is False:
+        return 0
+    if max_seq_len is None or max_seq_len < 1:
+        if split_programs:
+            raise ValueError(
+                f"split_programs=True needs max_seq_len >= 1 (the grid's bound), got {max_seq_len}"
+            )
+        return 0
+    num_splits = cdiv(max_seq_len, fixed_split_size)
+    fits_grid = num_splits * num_kv_heads <= _MAX_GRID_Z
+    if split_programs:
+        if not fits_grid:
+            raise ValueError(
+                f"split_programs=True launches {num_splits} splits x {num_kv_heads} kv heads, "
+                f"past the grid's {_MAX_GRID_Z}: pass split_programs=None or a larger "
+                "fixed_split_size"
+            )
+        return num_splits
+    is_idle = num_programs < 2 * num_sms(device)
+    fits = fits_grid and num_splits * bytes_per_split <= _MAX_SPLIT_WORKSPACE
+    return num_splits if num_splits > 1 and is_idle and fits else 0
 
 
 def prefill_attention_ref(

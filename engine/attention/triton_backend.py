@@ -9,12 +9,16 @@ kernel and every other step (prefills, chunked prefills, prefix-cache hits, mixe
 tensors directly; `prepare` only decides which kernel the step uses.
 
 Batch-invariant (`batch_invariant=True`): every step runs the prefill kernel, decode-only
-steps (and their CUDA graphs) included. Its launch depends on the model's shapes alone,
-each program walks its keys in tiles that start at multiples of the key tile from
-position 0, and keys a token cannot see add exact zeros; so a token's output depends on
-its own query and keys only: not on the other sequences of the step, on the chunk it came
-in, or on whether its prefix was computed in this step or read back from the cache. The
-decode kernel's split of the context, chosen by the batch size, is never used.
+steps (and their CUDA graphs) included, with its keys split at fixed boundaries
+(`FIXED_SPLIT_SIZE`): each split attended from scratch over key tiles that start at
+multiples of the key tile from position 0, where keys a token cannot see add exact zeros,
+and the splits folded in order. Its tiles depend on the model's shapes alone; so a
+token's output depends on its own query and keys only: not on the other sequences of the
+step, on the chunk it came in, or on whether its prefix was computed in this step or read
+back from the cache. Steps whose query tiles would leave the GPU idle (decode at small
+batches, long contexts) attend each split in its own program and fold them in a second
+kernel, with the same bits. The decode kernel's split of the context, chosen by the batch
+size, is never used.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from batchlm.kernels.decode_attention import decode_attention
-from batchlm.kernels.prefill_attention import prefill_attention
+from batchlm.kernels.prefill_attention import FIXED_SPLIT_SIZE, prefill_attention
 from batchlm.kernels.rotary import rotary_embedding_into_cache
 from batchlm.kernels.write_kv_cache import write_kv_cache
 
@@ -39,7 +43,8 @@ class _TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     """Args:
-    batch_invariant: Run every step on the prefill kernel (see the module docstring)."""
+    batch_invariant: Run every step on the prefill kernel, its keys split at fixed
+        boundaries (see the module docstring)."""
 
     name = "triton"
 
@@ -116,4 +121,6 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             sliding_window,
             softcap=softcap,
+            fixed_split_size=FIXED_SPLIT_SIZE if self.batch_invariant else None,
+            max_seq_len=metadata.max_seq_len,
         )

@@ -20,7 +20,9 @@ Only the Triton attention backend can be captured: its kernels read the step's l
 block tables from device memory. The decode kernel's launch (its number of context splits)
 is sized for `max_model_len`, and the static metadata says `max_seq_len_is_bound`, so each
 sequence cuts its own context into those splits on the device: short contexts still spread
-over the programs, and any context up to `max_model_len` is exact.
+over the programs, and any context up to `max_model_len` is exact. In the batch-invariant
+mode the prefill kernel's fixed key splits are sized for `max_model_len` the same way
+(splits past a sequence's context exit).
 
 `DecodeGraphs(capture=False)` runs the same padded static-buffer path eagerly: the CPU
 tests exercise the bookkeeping with it.

@@ -113,6 +113,7 @@ def record_all_launches() -> list[_Launch]:
         decode_attention,
         fused_moe,
         gemv,
+        merge_fixed_splits,
         moe_routing,
         prefill_attention,
         quant_fp8,
@@ -146,7 +147,10 @@ def record_all_launches() -> list[_Launch]:
             q, kc, vc, tables, lens, 0.0625, 4096, 4096, num_splits=2, softcap=50.0
         )
     launches += got
-    with recording(prefill_attention, "_prefill_kernel") as got:
+    with (
+        recording(prefill_attention, "_prefill_kernel") as got,
+        recording(merge_fixed_splits, "_merge_fixed_splits_kernel") as merged,
+    ):
         for dtype, head_dim, group in [
             (f16, 128, 1),
             (bf16, 128, 4),
@@ -159,7 +163,23 @@ def record_all_launches() -> list[_Launch]:
         prefill_attention.prefill_attention(
             q, kc, vc, tables, lens, qsl, 0.0625, 20, 4096, softcap=50.0
         )
-    launches += got
+        # The batch-invariant mode: fixed key splits folded in the query tile's program
+        # (prefills) and in split programs with their merge (decode steps), for Llama-3.1-8B
+        # and Gemma 2's heads.
+        split = prefill_attention.FIXED_SPLIT_SIZE
+        for dtype, head_dim, group, q_len, softcap in [
+            (bf16, 128, 4, 20, None),
+            (bf16, 128, 4, 1, None),
+            (f16, 64, 1, 1, None),
+            (bf16, 256, 2, 1, 50.0),
+        ]:
+            q, kc, vc, tables, lens, qsl = _paged(2, q_len, dtype, head_dim, group)
+            for programs in (False, True):
+                prefill_attention.prefill_attention(
+                    q, kc, vc, tables, lens, qsl, 0.1, q_len, 4096, softcap=softcap,
+                    fixed_split_size=split, max_seq_len=8192, split_programs=programs,
+                )  # fmt: skip
+    launches += got + merged
     with recording(rms_norm, "_rms_norm_kernel") as got:
         x = torch.zeros(3, 4096, dtype=bf16)
         rms_norm.fused_add_rms_norm(x, x, torch.zeros(4096, dtype=bf16), 1e-6)

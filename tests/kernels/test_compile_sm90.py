@@ -28,7 +28,8 @@ def test_kernels_compile_for_sm90():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = result.stdout.splitlines()
-    for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill", "_rotary",
+    for kernel in ("_write_kv_cache", "_decode", "_merge_splits", "_prefill",
+                   "_merge_fixed_splits", "_rotary",
                    "_one_shot_all_reduce", "_gemv", "_quantize_fp8_per_token",
                    "_silu_and_mul", "_rms_norm", "_rotary_into_cache", "_route",
                    "_moe_gate_up", "_moe_down", "_sum_slots"):  # fmt: skip

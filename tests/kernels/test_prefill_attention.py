@@ -7,7 +7,11 @@ import random
 import pytest
 import torch
 
-from batchlm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from batchlm.kernels.prefill_attention import (
+    FIXED_SPLIT_SIZE,
+    prefill_attention,
+    prefill_attention_ref,
+)
 
 from .helpers import ATTENTION_TOLERANCE, DTYPES, assert_close, gpu_only, make_paged_cache
 
@@ -198,3 +202,115 @@ def test_a_token_gets_the_same_bits_in_any_batch_or_chunk(sliding_window, dtype,
     mixed = [(1, 0, 5), (0, 13, 29), (2, 39, 40), (3, 21, 30)]
     assert torch.equal(attend(mixed)[1], whole[13:29]), "beside other sequences"
     assert torch.equal(attend(mixed[::-1])[2], whole[13:29]), "in reversed order"
+
+
+def _fixed_split_bits(dtype, device, *, sliding_window, length, head_dim, group, block_size,
+                      num_kv_heads, split_size, bound, launch):  # fmt: skip
+    """Asserts the fixed-split property: a token's output is bitwise the same whole, chunked,
+    as a decode row alone or in a batch of decode rows (in either order, in split programs
+    or not, for any grid bound), and beside prefills in a mixed step; and close to the
+    reference."""
+    others = [(1, 2 * split_size + 7), (1, 3), (9, split_size + 5), (1, 4 * split_size)]
+    seq_lens = [length] + [s for _, s in others]
+    key_cache, value_cache, tables = make_paged_cache(
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, device, seed=5
+    )
+    gen = torch.Generator().manual_seed(6)
+    num_heads = num_kv_heads * group
+    queries = torch.randn(length, num_heads, head_dim, generator=gen).to(dtype)
+    other_q = [torch.randn(q, num_heads, head_dim, generator=gen).to(dtype) for q, _ in others]
+    scale = head_dim**-0.5
+
+    def attend(parts, split_programs=False, max_seq_len=bound):
+        """parts: (sequence index, first query position, end position) per sequence."""
+        q = [queries[a:b] if s == 0 else other_q[s - 1] for s, a, b in parts]
+        q_lens = [len(x) for x in q]
+        qsl = torch.zeros(len(parts) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(q_lens).cumsum(0)
+        args = (
+            torch.cat(q).to(device),
+            key_cache,
+            value_cache,
+            tables[[s for s, _, _ in parts]],
+            torch.tensor([b for _, _, b in parts], dtype=torch.int32, device=device),
+            qsl.to(device),
+            scale,
+        )
+        out = prefill_attention(
+            *args, max(q_lens), sliding_window, fixed_split_size=split_size,
+            max_seq_len=max_seq_len, split_programs=split_programs, **launch,
+        )  # fmt: skip
+        assert_close(out, prefill_attention_ref(*args, sliding_window), ATTENTION_TOLERANCE)
+        return out.split(q_lens)
+
+    whole = attend([(0, 0, length)])[0]
+    assert torch.equal(attend([(0, 0, length)], True)[0], whole), "whole, split programs"
+    chunks = [(0, split_size - 3), (split_size - 3, split_size + 11), (split_size + 11, length)]
+    chunked = torch.cat([attend([(0, a, b)])[0] for a, b in chunks])
+    assert torch.equal(chunked, whole), "chunked after the cached prefix"
+    decodes = [(i + 1, s - 1, s) for i, (q, s) in enumerate(others) if q == 1]
+    for pos in (0, split_size - 1, split_size, length - 1):
+        row = whole[pos : pos + 1]
+        for programs in (False, True):
+            alone = attend([(0, pos, pos + 1)], programs)[0]
+            assert torch.equal(alone, row), f"decode {pos} alone, split programs {programs}"
+        batch = [decodes[0], (0, pos, pos + 1), *decodes[1:]]
+        assert torch.equal(attend(batch, True)[1], row), f"decode {pos} in a batch"
+        assert torch.equal(attend(batch[::-1], True)[-2], row), f"decode {pos} reversed"
+        graph = attend(batch, True, 2 * bound)[1]  # a grid sized for a larger bound
+        assert torch.equal(graph, row), f"decode {pos} under a larger bound"
+        mixed = [(3, split_size - 4, split_size + 5), (0, pos, pos + 1), decodes[-1]]
+        assert torch.equal(attend(mixed)[1], row), f"decode {pos} beside a prefill"
+
+
+@pytest.mark.parametrize("sliding_window", [None, 23])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fixed_splits_give_a_token_the_same_bits_in_any_batch_or_chunk(
+    sliding_window, dtype, device
+):
+    """The batch-invariant mode's key splits: the same bits whichever launch folds them."""
+    _fixed_split_bits(
+        dtype, device, sliding_window=sliding_window, length=80, head_dim=32, group=2,
+        block_size=8, num_kv_heads=NUM_KV_HEADS, split_size=32, bound=128,
+        launch={"block_m": 16, "block_n": 16},
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window", [None, 1000])
+def test_fixed_splits_bitwise_at_llama_8b_shape(sliding_window, device):
+    """The same on the GPU at Llama-3.1-8B's attention shape, default tiles and splits."""
+    _fixed_split_bits(
+        torch.bfloat16, device, sliding_window=sliding_window, length=2100, head_dim=128,
+        group=4, block_size=16, num_kv_heads=8, split_size=FIXED_SPLIT_SIZE, bound=4096,
+        launch={},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("split_programs", [False, True])
+def test_fixed_splits_match_reference(split_programs, device):
+    # Contexts of one to four splits, a window across a split boundary, odd GQA groups.
+    batch = [(1, 70), (1, 5), (30, 100), (1, 33)]
+    launch = {"block_m": 16, "block_n": 16, "fixed_split_size": 32, "max_seq_len": 100}
+    _run(batch, torch.float16, 64, 16, 3, device, split_programs=split_programs, **launch)
+    _run(batch, torch.float32, 32, 8, 1, device, 40, split_programs=split_programs, **launch)
+
+
+def test_fixed_split_arguments_are_checked(device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    query = torch.randn(5, 4, 64, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, qsl, 1.0, 5)
+    for bad, message in [
+        ({"fixed_split_size": 24, "block_n": 16}, "fixed_split_size=24 must be a positive"),
+        ({"fixed_split_size": 0}, "fixed_split_size=0 must be a positive multiple"),
+        ({"split_programs": True}, "split_programs=True needs a fixed_split_size"),
+        ({"fixed_split_size": 64, "split_programs": True}, "needs max_seq_len >= 1"),
+        (
+            {"fixed_split_size": 64, "max_seq_len": 1 << 26, "split_programs": True},
+            "past the grid's 65535",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            prefill_attention(*args, **bad)

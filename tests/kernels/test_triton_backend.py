@@ -8,6 +8,7 @@ import torch
 
 from batchlm.engine import LLM, InvalidParamError, SamplingParams
 from batchlm.engine.attention import AttentionMetadata, get_attention_backend
+from batchlm.kernels import prefill_attention
 
 from .helpers import ATTENTION_TOLERANCE, assert_close
 
@@ -78,6 +79,47 @@ def test_backend_step_matches_torch_backend(query_lens, seq_lens, sliding_window
         results[name] = (out, layer_cache)
     assert_close(results["triton"][0], results["torch"][0], ATTENTION_TOLERANCE)
     assert torch.equal(results["triton"][1], results["torch"][1])
+
+
+def test_batch_invariant_decode_row_same_bits_in_decode_and_mixed_steps(device, monkeypatch):
+    """`batch_invariant=True`: a decode token's output is bitwise the same in a decode-only
+    step (contexts over several fixed key splits: one program per split, then the merge)
+    and in a mixed step beside a whole prompt (each query tile folds its own splits)."""
+    block_size, num_kv_heads, group, head_dim = 16, 2, 2, 32
+    seq_lens = [1100, 40, 600]
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # Per sequence: queries, keys and values of its last 40 positions.
+    heads = (num_kv_heads * group, num_kv_heads, num_kv_heads)
+    new = [[torch.randn(40, h, head_dim, generator=gen) for h in heads] for _ in seq_lens]
+    backend = get_attention_backend("triton", batch_invariant=True)
+    merges = []
+    merge = prefill_attention.merge_fixed_splits
+    monkeypatch.setattr(
+        prefill_attention, "merge_fixed_splits", lambda *a, **k: merges.append(1) or merge(*a, **k)
+    )
+
+    def step(query_lens):
+        metadata = _metadata(query_lens, seq_lens, block_size, device)
+        backend.prepare(metadata)
+        q, k, v = (
+            torch.cat([new[i][j][40 - n :] for i, n in enumerate(query_lens)]).to(device)
+            for j in range(3)
+        )
+        out = backend.forward(q, k, v, cache, metadata, head_dim**-0.5)
+        return out.split(query_lens)
+
+    # The mixed step first (its prompt's two query tiles fill the CPU's stand-in SMs, so it
+    # folds in the tiles): the decode step then finds the prompt's keys in the cache.
+    cache = cache.to(device)
+    mixed = step([1, 40, 1])
+    assert not merges
+    decode = step([1, 1, 1])
+    assert merges, "the decode step ran split programs"
+    for i in (0, 2):
+        assert torch.equal(decode[i], mixed[i]), f"sequence {i}"
+    assert torch.equal(decode[1], mixed[1][-1:]), "the prompt's last token"
 
 
 def test_backend_without_a_cache_says_what_to_use(device):
