@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Without a GPU, kernels run in Triton's interpreter. The variable must be set before any
+    # `batchlm.kernels` module decorates its kernels, whichever test module imports one
+    # first: here, before any is collected.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

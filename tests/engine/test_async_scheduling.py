@@ -9,13 +9,8 @@ part (placeholders, requests held back, `sync_next`) is checked exactly by hand.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # the static decode path test runs the kernels
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.core.scheduler import PLACEHOLDER_TOKEN  # noqa: E402

@@ -5,17 +5,11 @@ and on a GPU the same greedy tokens with CUDA graphs as with enforce_eager=True.
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # The static path needs the Triton attention backend; on CPU it runs interpreted. Set
-    # before any kernel module is imported (the kernel tests' conftest does the same).
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.core.scheduler import SchedulerStats  # noqa: E402

@@ -10,14 +10,8 @@ greedy tokens as the torch backend over an fp8 cache.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # The triton backend runs on CPU only interpreted; set before any kernel is imported.
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.errors import InvalidParamError  # noqa: E402
