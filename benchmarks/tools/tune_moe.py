@@ -34,6 +34,7 @@ import sys
 import time
 
 import torch
+from tune_decode_attention import graph_ms
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -91,22 +92,6 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale[e] = w.abs().amax(dim=-1).clamp(min=1e-12) * (1.0 / 448.0)
         values[e] = (w / scale[e][:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return values, scale
-
-
-def graph_ms(call, warmup_ms: float, rep_ms: float) -> float:
-    """Median milliseconds of `call()` replayed from a CUDA graph (`do_bench`, L2 flushed
-    before each replay). `call` has run once already (compiled)."""
-    from triton.testing import do_bench
-
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # allocations of the launcher settle before capture
-        with torch.cuda.graph(graph, stream=stream):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    return do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 class Layer:
