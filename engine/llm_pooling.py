@@ -558,10 +558,14 @@ class PoolingMixin:
 
 
 def _join_results(parts: list[Any]) -> Any:
-    """The results of a call's chunks as one: a matrix when every chunk gave one (rows in
-    input order), else a list with an item per input."""
+    """The results of a call's chunks as one: a matrix when every chunk gave one of the
+    same width (rows in input order), else a list with an item per input (chunks whose
+    prompts ask for other `dimensions` give matrices of other widths)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(parts) == 1:
+            return parts[0]
+        if len({p.shape[1:] for p in parts}) == 1:
+            return torch.cat(parts)
     return [item for part in parts for item in part]
 
 

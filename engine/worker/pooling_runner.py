@@ -371,9 +371,7 @@ class PoolingRunner:
             pending = (batch, list(by_key.values()), copy)
         if pending is not None:
             finish(*pending)
-        if len(distinct) == 1:
-            if matrix is None:  # no inputs
-                return torch.empty(0, 0)
+        if matrix is not None:  # one key: every input's row is in it
             return torch.from_numpy(matrix)
         return out  # type: ignore[return-value]
 

@@ -161,7 +161,7 @@ def test_decoder_classifier_matches_transformers(tiny_model_factory, tmp_path):
         assert torch.allclose(torch.tensor(probs), expected, atol=1e-4)
 
 
-def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path):
+def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path, monkeypatch):
     with pytest.raises(InvalidParamError, match="matryoshka"):
         minilm.embed(["x"], PoolingParams(dimensions=128))
     folder = tmp_path / "mrl"
@@ -181,6 +181,17 @@ def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path):
     mixed = [PoolingParams(dimensions=128), PoolingParams()]
     with pytest.raises(InvalidParamError, match=r"one embedding width.*\[128, 384\]"):
         llm.embed_matrix(SENTENCES[:2], mixed, use_tqdm=False)
+    # Chunked (as large calls on CUDA are; chunks of 3 for 7 prompts), one width per chunk:
+    # each output keeps its own.
+    halves = [PoolingParams(dimensions=128)] * 3 + [PoolingParams()] * 4
+    whole = llm.embed(SENTENCES[:7], halves, use_tqdm=False)
+    monkeypatch.setattr(type(llm), "_tokenize_chunk_size", lambda self: 3)
+    chunked = llm.embed(SENTENCES[:7], halves, use_tqdm=False)
+    assert [len(o.outputs.embedding) for o in chunked] == [128] * 3 + [384] * 4
+    for a, b in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
+        )
 
 
 def test_encode_and_wrong_task_errors(minilm, tiny_model_factory):
