@@ -82,18 +82,6 @@ def candidates(num_tokens: int) -> list[tuple[int, ...]]:
     return _MEDIUM if num_tokens <= 512 else _LARGE
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[E, rows, cols]` → e4m3 values and `[E, rows]` scales, one expert at a time (the
-    rule of `ExpertWeights.quantize_fp8`)."""
-    values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
-    scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
-    for e in range(weight.shape[0]):
-        w = weight[e].float()
-        scale[e] = w.abs().amax(dim=-1).clamp(min=1e-12) * (1.0 / 448.0)
-        values[e] = (w / scale[e][:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return values, scale
-
-
 class Layer:
     """One MoE layer's weights (bf16 or fp8) and its inputs for each M."""
 
@@ -102,7 +90,9 @@ class Layer:
         self.inter = inter
         self.scales: dict[str, torch.Tensor] = {}
         if weight_dtype == "float8_e4m3fn":
-            (w13, s13), (w2, s2) = quantize_fp8(w13), quantize_fp8(w2)
+            from batchlm.engine.models.layers.moe import quantize_experts_fp8
+
+            (w13, s13), (w2, s2) = quantize_experts_fp8(w13), quantize_experts_fp8(w2)
             self.scales = dict(w13_scale=s13, w2_scale=s2)
         self.w13, self.w2 = w13, w2
 

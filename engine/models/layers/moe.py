@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from ...distributed.parallel import TPGroup
 
 
+def quantize_experts_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[num_experts, rows, cols]` stacked weights as float8_e4m3fn values and `[num_experts,
+    rows]` float32 scales, each expert by `quantize_per_row` in turn (so the float32 copy is
+    one expert's)."""
+    values = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+    for e in range(weight.shape[0]):
+        values[e], scale[e] = quantize_per_row(weight[e], FP8_DTYPE)
+    return values, scale
+
+
 class ExpertWeights(nn.Module):
     """Every expert's gate|up and down projections, stacked (this rank's slice of each).
 
@@ -79,12 +90,7 @@ class ExpertWeights(nn.Module):
         own slice, so `w2`'s scales cover this rank's partial sums.
         """
         for name in ("w13", "w2"):
-            weight = getattr(self, name).data  # [num_experts, rows, cols]
-            values = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
-            for e in range(weight.shape[0]):
-                values[e], scale[e] = quantize_per_row(weight[e], FP8_DTYPE)
-            del weight
+            values, scale = quantize_experts_fp8(getattr(self, name).data)
             setattr(self, name, nn.Parameter(values, requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
