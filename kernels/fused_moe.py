@@ -24,9 +24,10 @@ rounded once to the activation dtype.
 The device path after `route` and `align_tokens`: kernel A (`moe_gate_up`): per block of
 `block_m` sorted slots of one expert, `silu(x @ gate.T) * (x @ up.T)` with SiLU-and-mul in
 the GEMM's epilogue, into an intermediate buffer in the activation dtype; kernel B
-(`moe_down`): that times `w2[e].T`, scaled by the routing weight, per slot into a float32
-buffer; then a last kernel sums each token's `top_k` slots in a fixed order (j = 0 ..
-top_k - 1, no atomics: deterministic) and rounds once. Blocks past the padded total (their
+(`moe_down`): that times `w2[e].T`, per slot into a buffer in the activation dtype (half
+the bytes of float32 to write and read back); then a last kernel weights each token's
+`top_k` slots by their routing weights and sums them in float32 in a fixed order (j = 0 ..
+top_k - 1, no atomics: deterministic), rounding once. Blocks past the padded total (their
 expert is -1) exit at once. Launches come from `kernels/moe_launch.py`.
 """
 
@@ -201,8 +202,7 @@ def _moe_down_kernel(
     act_ptr,  # [len(sorted_slots), inter]
     w2_ptr,  # [num_experts, hid, inter], activation dtype or float8_e4m3fn
     w2_scale_ptr,  # [num_experts, hid] float32 (read when WEIGHT_SCALED)
-    out_ptr,  # [num_slots, hid] float32
-    topk_weights_ptr,  # [num_slots] float32
+    out_ptr,  # [num_slots, hid], activation dtype
     sorted_slots_ptr,
     expert_of_block_ptr,
     num_slots,
@@ -220,8 +220,8 @@ def _moe_down_kernel(
     WEIGHT_SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`out[slot] = weight[slot] * (act[r] @ w2[e].T)` for the sorted rows `r` of one block
-    (the product rounded to the activation dtype first, like the reference)."""
+    """`out[slot] = act[r] @ w2[e].T` for the sorted rows `r` of one block, rounded to the
+    activation dtype (the routing weight is applied by `_sum_slots_kernel`)."""
     wait_for_previous_kernel(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid_m)
@@ -245,18 +245,17 @@ def _moe_down_kernel(
     if WEIGHT_SCALED:
         scales = w2_scale_ptr + expert.to(tl.int64) * stride_se + offs_n
         acc *= tl.load(scales, mask=n_mask, other=0.0)[None, :]
-    weight = tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     tl.store(
         out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        y,
+        acc.to(out_ptr.dtype.element_ty),
         mask=valid[:, None] & n_mask[None, :],
     )
 
 
 @triton.jit
 def _sum_slots_kernel(
-    y_ptr,  # [num_tokens * TOP_K, hid] float32
+    y_ptr,  # [num_tokens * TOP_K, hid], activation dtype
+    topk_weights_ptr,  # [num_tokens * TOP_K] float32
     out_ptr,  # [num_tokens, hid]
     hid,
     stride_om,
@@ -264,15 +263,18 @@ def _sum_slots_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`out[t] = sum_j y[t * TOP_K + j]` in float32, j in order, rounded once."""
+    """`out[t] = sum_j weight[t * TOP_K + j] * y[t * TOP_K + j]` in float32, j in order,
+    rounded once."""
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hid
     rows = y_ptr + token * TOP_K * hid + cols
-    acc = tl.load(rows, mask=mask, other=0.0)
+    weights = topk_weights_ptr + token * TOP_K
+    acc = tl.load(rows, mask=mask, other=0.0).to(tl.float32) * tl.load(weights)
     for j in tl.static_range(1, TOP_K):
-        acc += tl.load(rows + j * hid, mask=mask, other=0.0)
+        y = tl.load(rows + j * hid, mask=mask, other=0.0).to(tl.float32)
+        acc += y * tl.load(weights + j)
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -334,22 +336,20 @@ def moe_down(
     act: torch.Tensor,
     w2: torch.Tensor,
     w2_scale: torch.Tensor | None,
-    topk_weights: torch.Tensor,
     grouping: ExpertGrouping,
     launch: MoeLaunch,
 ) -> torch.Tensor:
-    """`fused_moe`'s second GEMM: `[num_slots, hidden]` float32, each slot's expert output
-    times its routing weight (`topk_weights`: `[num_slots]` float32, contiguous). Arguments
-    as `fused_moe` checked them."""
+    """`fused_moe`'s second GEMM: `[num_slots, hidden]`, each slot's expert output in the
+    activation dtype (unweighted: the sum applies the routing weights). Arguments as
+    `fused_moe` checked them."""
     hid = w2.shape[1]
-    per_slot = torch.empty(grouping.num_slots, hid, dtype=torch.float32, device=act.device)
+    per_slot = torch.empty(grouping.num_slots, hid, dtype=act.dtype, device=act.device)
     scaled = w2_scale is not None
     _moe_down_kernel[(grouping.expert_of_block.shape[0], cdiv(hid, launch.block_n))](
         act,
         w2,
         w2_scale if scaled else w2,  # not read without scales
         per_slot,
-        topk_weights,
         grouping.sorted_slots,
         grouping.expert_of_block,
         grouping.num_slots,
@@ -486,12 +486,11 @@ def fused_moe(
     sorted_slots, expert_of_block, _ = align_tokens(topk_ids, num_experts, launch.block_m)
     grouping = ExpertGrouping(sorted_slots, expert_of_block, num_slots, top_k)
     act = moe_gate_up(hidden, w13, w13_scale, grouping, launch.gate_up)
-    per_slot = moe_down(
-        act, w2, w2_scale, topk_weights.reshape(-1).contiguous(), grouping, launch.down
-    )
+    per_slot = moe_down(act, w2, w2_scale, grouping, launch.down)
     block = min(1024, next_power_of_2(hid))
     _sum_slots_kernel[(num_tokens, cdiv(hid, block))](
         per_slot,
+        topk_weights.reshape(-1).contiguous(),
         out,
         hid,
         out.stride(0),

@@ -5,8 +5,8 @@ the (token, slot) pairs grouped by expert for `fused_moe`'s grouped GEMMs.
   largest by repeated arg-max (ties to the lower id), optional renormalisation;
   `route_ref` is the same in PyTorch;
 - `align_tokens`: the `num_tokens * top_k` (token, slot) pairs grouped by expert, each
-  group padded to a multiple of `block_m` with the sentinel `num_tokens * top_k`, with
-  PyTorch ops of fixed sizes (no host synchronisation; buffers sized for the worst case);
+  group padded to a multiple of `block_m` with the sentinel `num_tokens * top_k`, in one
+  kernel with no host synchronisation (buffers sized for the worst case);
   `align_tokens_ref` is a Python loop over the experts.
 """
 
@@ -158,15 +158,76 @@ def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
     return cdiv(worst, block_m) * block_m
 
 
+@triton.jit
+def _align_tokens_kernel(
+    ids_ptr,  # [num_slots] (token-major, contiguous)
+    sorted_slots_ptr,  # [size] int32
+    expert_of_block_ptr,  # [size // BLOCK_M] int32
+    num_padded_ptr,  # [1] int32
+    num_slots,
+    size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per expert. Each counts every expert's slots (a histogram per chunk of
+    ids, which stay in L2), so it knows where its padded group starts; it then writes its
+    own slots in ascending order (a cumulative sum over each chunk's matches), its padding
+    and its blocks' expert id. The last program also writes what lies past the padded
+    total. The programs write disjoint positions: no atomics, no ordering between them."""
+    wait_for_previous_kernel(PDL)
+    me = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for s0 in range(0, num_slots, CHUNK):
+        s = s0 + lanes
+        valid = s < num_slots
+        ids = tl.load(ids_ptr + s, mask=valid, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E)
+        # The lanes past num_slots were counted as expert 0.
+        counts -= tl.where(experts == 0, CHUNK - tl.sum(valid.to(tl.int32), axis=0), 0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    mine = experts == me
+    end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    start = end - tl.sum(tl.where(mine, padded, 0), axis=0)
+    placed = start
+    for s0 in range(0, num_slots, CHUNK):
+        s = s0 + lanes
+        hit = tl.load(ids_ptr + s, mask=s < num_slots, other=-1).to(tl.int32) == me
+        hit = hit.to(tl.int32)
+        tl.store(sorted_slots_ptr + placed + tl.cumsum(hit, axis=0) - hit, s, mask=hit != 0)
+        placed += tl.sum(hit, axis=0)
+    sentinel = tl.zeros([CHUNK], tl.int32) + num_slots
+    tl.store(sorted_slots_ptr + placed + lanes, sentinel, mask=placed + lanes < end)
+    for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+        b = b0 + lanes
+        tl.store(expert_of_block_ptr + b, tl.zeros([CHUNK], tl.int32) + me, mask=b < end // BLOCK_M)
+    if me == tl.num_programs(0) - 1:
+        for p0 in range(total, size, CHUNK):
+            tl.store(sorted_slots_ptr + p0 + lanes, sentinel, mask=p0 + lanes < size)
+        for b0 in range(total // BLOCK_M, size // BLOCK_M, CHUNK):
+            b = b0 + lanes
+            tl.store(
+                expert_of_block_ptr + b, tl.zeros([CHUNK], tl.int32) - 1, mask=b < size // BLOCK_M
+            )
+        tl.store(num_padded_ptr, total)
+
+
 def align_tokens(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the `num_tokens * top_k` slots (`token * top_k + j`) by expert, each group
-    padded to a multiple of `block_m`, on the device and with no host synchronisation.
+    padded to a multiple of `block_m`, in one kernel (one program per expert) and with no
+    host synchronisation. `topk_ids` must lie in `[0, num_experts)` (not checked: that
+    would synchronise).
 
-    Plain PyTorch ops of sizes fixed by the shapes (a stable sort, cumulative sums, a
-    scatter), so it is also its own CPU reference. `topk_ids` must lie in
-    `[0, num_experts)` (not checked: that would synchronise).
+    One kernel rather than the twenty-odd PyTorch ops of a sort-based grouping: those are
+    launches on the critical path of every MoE layer, and at batch 1 they took more of a
+    decode step than the expert GEMMs.
 
     Args:
         topk_ids: `[num_tokens, top_k]` int32 / int64.
@@ -186,27 +247,29 @@ def align_tokens(
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
     check_power_of_2("block_m", block_m, 1, 1024, "slots per GEMM block")
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
+    device = check_same_device(_align_tokens_kernel, topk_ids=topk_ids)
+    flat = topk_ids.reshape(-1)
     num_slots = flat.numel()
+    if num_slots >= 2**31 - 1:
+        raise ValueError(f"{num_slots} slots (tokens x top_k) do not fit int32 positions")
     size = max_padded_slots(num_slots, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + (block_m - 1)) // block_m * block_m
-    padded_ends = torch.cumsum(padded, 0)
-    padded_starts = padded_ends - padded
-    count_starts = torch.cumsum(counts, 0) - counts
-    # A stable sort keeps each expert's slots in ascending order.
-    sorted_ids, order = torch.sort(flat, stable=True)
-    rank = torch.arange(num_slots, device=device) - count_starts[sorted_ids]
-    dest = padded_starts[sorted_ids] + rank
-    sorted_slots = torch.full((size,), num_slots, dtype=torch.int32, device=device)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, size, block_m, device=device)
-    expert_of_block = torch.searchsorted(padded_ends, block_starts, right=True)
-    num_padded = padded_ends[-1:]
-    expert_of_block = torch.where(block_starts < num_padded, expert_of_block, -1)
-    return sorted_slots, expert_of_block.to(torch.int32), num_padded.to(torch.int32)
+    sorted_slots = torch.empty(size, dtype=torch.int32, device=device)
+    expert_of_block = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _align_tokens_kernel[(num_experts,)](
+        flat,
+        sorted_slots,
+        expert_of_block,
+        num_padded,
+        num_slots,
+        size,
+        BLOCK_M=block_m,
+        BLOCK_E=next_power_of_2(num_experts),
+        CHUNK=1024,
+        num_warps=4,
+        **launch_options(_align_tokens_kernel, device),
+    )
+    return sorted_slots, expert_of_block, num_padded
 
 
 def align_tokens_ref(

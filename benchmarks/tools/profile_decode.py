@@ -27,6 +27,7 @@ W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-st
     first requests' decodes with the later prompts, so those steps come late).
 
     python3 benchmarks/tools/profile_decode.py --out $OUT/profile.txt
+    python3 benchmarks/tools/profile_decode.py --model qwen3moe  # W6's shape, dummy weights
     python3 benchmarks/tools/profile_decode.py --smoke  # tiny shapes, CPU activities only
 """
 
@@ -51,6 +52,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, SMOKE, prompts_of  # noqa: E402
+from moe_w6 import QWEN3_30B_A3B  # noqa: E402
+from moe_w6 import SMOKE as MOE_SMOKE  # noqa: E402
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
@@ -454,6 +457,12 @@ def main() -> int:
     )
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
     ap.add_argument(
+        "--model",
+        choices=["llama8b", "qwen3moe"],
+        default="llama8b",
+        help="qwen3moe: W6's Qwen3-30B-A3B shape, load_format='dummy' (no checkpoint written)",
+    )
+    ap.add_argument(
         "--rank-share",
         action="store_true",
         help="one rank's share of the model at tensor_parallel_size=2, as a model of its own",
@@ -463,13 +472,17 @@ def main() -> int:
     if not is_cuda and not args.smoke:
         print("profile_decode: needs a CUDA GPU (or --smoke for tiny shapes on CPU)")
         return 0
-    shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
-    if args.smoke:
-        shape = dict(shape, **SMOKE, bos_token_id=1, eos_token_id=2, head_dim=None)
+    moe = args.model == "qwen3moe"
+    if moe:
+        shape = dict(QWEN3_30B_A3B, **(MOE_SMOKE if args.smoke else {}))
+    else:
+        shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
+        if args.smoke:
+            shape = dict(shape, **SMOKE, bos_token_id=1, eos_token_id=2, head_dim=None)
     dtype = torch.bfloat16 if is_cuda else torch.float32
     lines = [
         f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
-        f"{'smoke' if args.smoke else 'Llama-3.1-8B'} shape"
+        f"{'smoke' if args.smoke else ''}{'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'} shape"
         f"{' (one rank share at tensor_parallel_size=2)' if args.rank_share else ''}, "
         f"random weights, {dtype}, "
         f"tensor_parallel_size={args.tensor_parallel_size}",
@@ -477,7 +490,11 @@ def main() -> int:
     print(lines[0], flush=True)
     folder = Path(args.model_dir or tempfile.mkdtemp(prefix="profile-decode-"))
     start = time.perf_counter()
-    if not (folder / "config.json").exists():
+    if moe:  # random weights drawn by the engine (load_format="dummy")
+        folder.mkdir(parents=True, exist_ok=True)
+        config = dict(shape, torch_dtype=str(dtype).removeprefix("torch."))
+        (folder / "config.json").write_text(json.dumps(config))
+    elif not (folder / "config.json").exists():
         write_random_llama(shape, folder, dtype, "cuda" if is_cuda else "cpu")
         if is_cuda:
             torch.cuda.empty_cache()  # the engine sizes its KV cache from free memory
@@ -487,6 +504,7 @@ def main() -> int:
         str(folder),
         dtype=str(dtype).removeprefix("torch."),
         skip_tokenizer_init=True,
+        load_format="dummy" if moe else "auto",
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.85,
         max_num_seqs=256,

@@ -118,7 +118,6 @@ def sweep_m(layer: Layer, num_tokens: int, args, emit, deadline: float) -> dict 
     from batchlm.kernels.moe_routing import align_tokens
 
     hidden, weights, ids = layer.inputs(num_tokens, args.seed)
-    flat_weights = weights.reshape(-1).contiguous()
     reference = layer.fused(hidden, weights, ids)
     tag = dict(weight_dtype=layer.weight_dtype, inter=layer.inter, m=num_tokens)
     groupings: dict[int, tuple[ExpertGrouping, float]] = {}
@@ -152,9 +151,7 @@ def sweep_m(layer: Layer, num_tokens: int, args, emit, deadline: float) -> dict 
                 moe_gate_up(hidden, layer.w13, layer.scales.get("w13_scale"), grouping, launch)
 
             def down(launch=launch, grouping=grouping, act=act):
-                moe_down(
-                    act, layer.w2, layer.scales.get("w2_scale"), flat_weights, grouping, launch
-                )
+                moe_down(act, layer.w2, layer.scales.get("w2_scale"), grouping, launch)
 
             record["gate_up_us"] = round(graph_ms(gate_up, args.warmup_ms, args.rep_ms) * 1e3, 2)
             record["down_us"] = round(graph_ms(down, args.warmup_ms, args.rep_ms) * 1e3, 2)

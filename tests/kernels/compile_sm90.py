@@ -226,7 +226,10 @@ def record_all_launches() -> list[_Launch]:
     launches += got
     moe_kernels = ("_moe_gate_up_kernel", "_moe_down_kernel", "_sum_slots_kernel")
     fp8 = torch.float8_e4m3fn
-    with recording(fused_moe, *moe_kernels) as got:
+    with (
+        recording(fused_moe, *moe_kernels) as got,
+        recording(moe_routing, "_align_tokens_kernel") as grouping,
+    ):
         # Qwen3-30B-A3B at batch 1 and in a batch (bf16 and fp8 weights), Mixtral's shape,
         # fp16 and fp32 launches.
         for tokens, experts, top_k, hidden, inter, dtype, weight_dtype in [
@@ -250,7 +253,7 @@ def record_all_launches() -> list[_Launch]:
                 w13_scale=torch.ones(experts, 2 * inter) if scaled else None,
                 w2_scale=torch.ones(experts, hidden) if scaled else None,
             )
-    launches += got
+    launches += got + grouping
     return launches
 
 

@@ -151,6 +151,23 @@ def test_align_tokens_special_routings(device):
     _check_grouping(torch.tensor([[2, 0, 1], [1, 2, 0]], device=device)[:, ::2], 4, 2)
 
 
+@pytest.mark.parametrize(("num_tokens", "block_m"), [(1, 16), (256, 32), (300, 64), (1100, 128)])
+def test_align_tokens_on_model_shapes(num_tokens, block_m, device):
+    """128 experts, top 8 (Qwen3-MoE): a decode step of one token, a batch of 256, and
+    more slots than one chunk of the kernel (1024) holds."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(128, generator=gen)[:8] for _ in range(num_tokens)])
+    _check_grouping(ids.to(torch.int32).to(device), 128, block_m)
+
+
+def test_align_tokens_skewed_routing(device):
+    """Most slots on a few experts (several chunks of one expert's slots, many blocks of
+    one expert), most experts empty."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 3, (700, 4), generator=gen) * 5
+    _check_grouping(ids.to(device), 64, 16)
+
+
 def test_align_tokens_sizes_do_not_depend_on_the_routing(device):
     spread = torch.arange(16, device=device).reshape(8, 2) % 8
     same = torch.zeros(8, 2, dtype=torch.int64, device=device)
