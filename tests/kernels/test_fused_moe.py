@@ -10,6 +10,7 @@ import torch
 
 from batchlm.kernels.fused_moe import FP8_WEIGHT_DTYPE, fused_moe, fused_moe_ref
 from batchlm.kernels.moe_launch import (
+    DEFAULT_TABLE_PATH,
     MoeLaunch,
     MoeLaunches,
     MoeShape,
@@ -400,6 +401,17 @@ def test_launch_table_picks_the_smallest_bucket_that_holds_the_tokens(tmp_path):
         assert choose_moe_launch(1, other, table) == choose_moe_launch(1, other, table={})
     assert load_launch_table(tmp_path / "t.json") is table  # read once
     assert load_launch_table(tmp_path / "missing.json") == {}
+
+
+def test_repository_table_covers_w6_on_the_h200():
+    """The committed table loads and holds W6's layer (Qwen3-30B-A3B) in bf16 and fp8,
+    every bucket from one token to a prefill chunk."""
+    table = load_launch_table(DEFAULT_TABLE_PATH)
+    for weight_dtype in ("bfloat16", "float8_e4m3fn"):
+        shape = MoeShape("NVIDIA H200", 128, 2048, 768, "bfloat16", weight_dtype)
+        buckets = [n for n, _ in table[shape]]
+        assert buckets[0] == 1 and buckets[-1] >= 8192
+        assert choose_moe_launch(1, shape, table) == table[shape][0][1]
 
 
 @pytest.mark.parametrize(
