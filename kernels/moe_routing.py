@@ -265,7 +265,9 @@ def align_tokens(
         size,
         BLOCK_M=block_m,
         BLOCK_E=next_power_of_2(num_experts),
-        CHUNK=1024,
+        # At most the slots: the lanes past them all land in bin 0 of the histogram, and
+        # a decode step of one token would otherwise count a thousand of them.
+        CHUNK=max(16, min(1024, next_power_of_2(num_slots))),
         num_warps=4,
         **launch_options(_align_tokens_kernel, device),
     )

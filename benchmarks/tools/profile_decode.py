@@ -446,6 +446,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the tables to this text file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="LLM(batch_invariant=True)")
     ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill", "W1-run"])
     ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
     ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
@@ -478,14 +479,15 @@ def main() -> int:
     else:
         shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
         if args.smoke:
-            shape = dict(shape, **SMOKE, bos_token_id=1, eos_token_id=2, head_dim=None)
+            shape = {**shape, **SMOKE, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None}
     dtype = torch.bfloat16 if is_cuda else torch.float32
     lines = [
         f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
         f"{'smoke' if args.smoke else ''}{'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'} shape"
         f"{' (one rank share at tensor_parallel_size=2)' if args.rank_share else ''}, "
         f"random weights, {dtype}, "
-        f"tensor_parallel_size={args.tensor_parallel_size}",
+        f"tensor_parallel_size={args.tensor_parallel_size}"
+        f"{', batch_invariant=True' if args.batch_invariant else ''}",
     ]
     print(lines[0], flush=True)
     folder = Path(args.model_dir or tempfile.mkdtemp(prefix="profile-decode-"))
@@ -506,6 +508,7 @@ def main() -> int:
         skip_tokenizer_init=True,
         load_format="dummy" if moe else "auto",
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         gpu_memory_utilization=0.85,
         max_num_seqs=256,
         tensor_parallel_size=args.tensor_parallel_size,
