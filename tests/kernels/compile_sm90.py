@@ -226,9 +226,10 @@ def record_all_launches() -> list[_Launch]:
     launches += got
     moe_kernels = ("_moe_gate_up_kernel", "_moe_down_kernel", "_sum_slots_kernel")
     fp8 = torch.float8_e4m3fn
+    align_kernels = ("_align_tokens_kernel", "_align_tokens_one_program_kernel")
     with (
         recording(fused_moe, *moe_kernels) as got,
-        recording(moe_routing, "_align_tokens_kernel") as grouping,
+        recording(moe_routing, *align_kernels) as grouping,
     ):
         # Qwen3-30B-A3B at batch 1 and in a batch (bf16 and fp8 weights), Mixtral's shape,
         # fp16 and fp32 launches.

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from batchlm.kernels import moe_routing
 from batchlm.kernels.fused_moe import FP8_WEIGHT_DTYPE, fused_moe, fused_moe_ref
 from batchlm.kernels.moe_launch import (
     DEFAULT_TABLE_PATH,
@@ -87,6 +88,15 @@ def test_route_ties_go_to_the_lower_expert(renormalize, device):
     assert ids.cpu().tolist() == [[0, 1, 2], [1, 2, 4], [1, 3, 0], [0, 5, 1]]
 
 
+@pytest.fixture(params=["one_program", "per_expert"])
+def align_kernel(request, monkeypatch):
+    """Each grouping test runs through both of `align_tokens`' kernels (up to 4,096 slots
+    for the one-program kernel: its one-hot tile must fit one Triton tensor)."""
+    threshold = 4096 if request.param == "one_program" else 0
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_SLOTS", threshold)
+    return request.param
+
+
 def _check_grouping(topk_ids, num_experts, block_m):
     sorted_slots, expert_of_block, num_padded = align_tokens(topk_ids, num_experts, block_m)
     ref = align_tokens_ref(topk_ids, num_experts, block_m)
@@ -126,7 +136,9 @@ def _check_grouping(topk_ids, num_experts, block_m):
 @pytest.mark.parametrize("num_experts", [4, 8])
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_align_tokens_groups_by_expert(num_tokens, num_experts, top_k, block_m, device):
+def test_align_tokens_groups_by_expert(
+    num_tokens, num_experts, top_k, block_m, device, align_kernel
+):
     gen = torch.Generator().manual_seed(num_tokens + 10 * num_experts)
     ids = torch.stack(
         [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
@@ -134,7 +146,7 @@ def test_align_tokens_groups_by_expert(num_tokens, num_experts, top_k, block_m, 
     _check_grouping(ids.to(torch.int32).to(device), num_experts, block_m)
 
 
-def test_align_tokens_special_routings(device):
+def test_align_tokens_special_routings(device, align_kernel):
     # Experts that receive no token.
     ids = torch.tensor([[0, 5], [5, 0], [0, 5]], dtype=torch.int32, device=device)
     _check_grouping(ids, 8, 4)
@@ -153,7 +165,7 @@ def test_align_tokens_special_routings(device):
 
 
 @pytest.mark.parametrize(("num_tokens", "block_m"), [(1, 16), (256, 32), (300, 64), (1100, 128)])
-def test_align_tokens_on_model_shapes(num_tokens, block_m, device):
+def test_align_tokens_on_model_shapes(num_tokens, block_m, device, align_kernel):
     """128 experts, top 8 (Qwen3-MoE): a decode step of one token, a batch of 256, and
     more slots than one chunk of the kernel (1024) holds."""
     gen = torch.Generator().manual_seed(num_tokens)
@@ -161,7 +173,7 @@ def test_align_tokens_on_model_shapes(num_tokens, block_m, device):
     _check_grouping(ids.to(torch.int32).to(device), 128, block_m)
 
 
-def test_align_tokens_skewed_routing(device):
+def test_align_tokens_skewed_routing(device, align_kernel):
     """Most slots on a few experts (several chunks of one expert's slots, many blocks of
     one expert), most experts empty."""
     gen = torch.Generator().manual_seed(7)
@@ -169,7 +181,7 @@ def test_align_tokens_skewed_routing(device):
     _check_grouping(ids.to(device), 64, 16)
 
 
-def test_align_tokens_sizes_do_not_depend_on_the_routing(device):
+def test_align_tokens_sizes_do_not_depend_on_the_routing(device, align_kernel):
     spread = torch.arange(16, device=device).reshape(8, 2) % 8
     same = torch.zeros(8, 2, dtype=torch.int64, device=device)
     a, b = align_tokens(spread, 8, 16), align_tokens(same, 8, 16)
