@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add before it, one row per program.
+"""RMSNorm, optionally fused with the residual add before it, a few rows per program.
 
 Rounding follows the PyTorch layer step by step (sum in the activation dtype, normalise in
 float32, round, then scale by the weight), so results match it to the last bit or two.
@@ -34,33 +34,48 @@ class RMSNormOutput(NamedTuple):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [num_rows, hidden_size]
+    x_ptr,  # [num_tokens, heads, hidden_size] (heads 1: [num_rows, hidden_size])
     residual_ptr,  # [num_rows, hidden_size] (unused without HAS_RESIDUAL)
     weight_ptr,  # [hidden_size]
-    out_ptr,  # [num_rows, hidden_size]
+    out_ptr,  # [num_rows, hidden_size], num_rows = num_tokens * heads
     residual_out_ptr,  # [num_rows, hidden_size] (unused without HAS_RESIDUAL)
+    num_rows,
+    heads,
     stride_x,
+    stride_xh,
     stride_r,
     stride_o,
     stride_ro,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """`ROWS` rows per program (a function of the hidden size alone, so a row's arithmetic
+    does not depend on the number of rows); row `r` of `x` is head `r % heads` of token
+    `r // heads`, so the heads of a fused projection's output normalise in place."""
     wait_for_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    mask = (rows < num_rows)[:, None] & (offs < HIDDEN)[None, :]
+    x_rows = (rows // heads) * stride_x + (rows % heads) * stride_xh
+    x = tl.load(x_ptr + x_rows[:, None] + offs[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = rms_norm_row(x, w, eps, HIDDEN)
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(residual_out_ptr + rows[:, None] * stride_ro + offs[None, :], x, mask=mask)
+    w = tl.load(weight_ptr + offs, mask=offs < HIDDEN, other=0.0)
+    h = x.to(tl.float32)
+    mean_square = tl.sum(h * h, 1) / HIDDEN
+    normed = (h * tl.rsqrt(mean_square + eps)[:, None]).to(x.dtype)
+    out = normed.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -75,8 +90,29 @@ def rms_norm_row(x, w, eps, HIDDEN: tl.constexpr):
 
 
 def row_warps(block: int) -> int:
-    """Warps for a program that holds one row of `block` elements."""
+    """Warps for a program that holds `block` elements (one row or several)."""
     return min(max(block // 256, 1), 16)
+
+
+ROW_ELEMENTS = 2048
+"""Narrow rows (q / k norms over one head) go several to a program, up to this many
+elements: one program per 128-element row left a 16K-token prefill chunk of Qwen3 with
+half a million one-warp programs per norm."""
+
+
+def rows_per_program(block: int) -> int:
+    """Rows per program for rows of `block` (a power of two) elements."""
+    return max(1, min(32, ROW_ELEMENTS // block))
+
+
+def head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """`(x, heads, token stride, head stride)` for `[num_tokens, heads, hidden]` with unit
+    stride along hidden (a view of a fused projection's output, whatever its token stride);
+    otherwise `as_rows(x)` with one head."""
+    if x.dim() == 3 and (x.stride(-1) == 1 or x.shape[-1] == 1):
+        return x, x.shape[1], x.stride(0), x.stride(1)
+    rows = as_rows(x)
+    return rows, 1, rows.stride(0), 0
 
 
 def check_norm_args(
@@ -115,7 +151,11 @@ def _launch(
     if residual is not None:
         tensors["residual"] = residual
     check_same_device(_rms_norm_kernel, **tensors)
-    x_rows = as_rows(x)
+    if residual is None:
+        x_rows, heads, stride_x, stride_xh = head_rows(x)
+    else:
+        x_rows = as_rows(x)
+        heads, stride_x, stride_xh = 1, x_rows.stride(0), 0
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     out_rows = out.view(-1, hidden)
     if residual is not None:
@@ -123,25 +163,30 @@ def _launch(
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         ro_rows = residual_out.view(-1, hidden)
     else:
-        r_rows, ro_rows, residual_out = x_rows, out_rows, None
-    num_rows = x_rows.shape[0]
+        r_rows, ro_rows, residual_out = out_rows, out_rows, None
+    num_rows = out_rows.shape[0]
     if num_rows and hidden:
         block = next_power_of_2(hidden)
-        _rms_norm_kernel[(num_rows,)](
+        rows = rows_per_program(block)
+        _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
             x_rows,
             r_rows,
             weight,
             out_rows,
             ro_rows,
-            x_rows.stride(0),
+            num_rows,
+            heads,
+            stride_x,
+            stride_xh,
             r_rows.stride(0),
             out_rows.stride(0),
             ro_rows.stride(0),
             eps,
             HIDDEN=hidden,
             BLOCK=block,
+            ROWS=rows,
             HAS_RESIDUAL=residual is not None,
-            num_warps=row_warps(block),
+            num_warps=row_warps(block * rows),
             **launch_options(_rms_norm_kernel, x.device),
         )
     return out if residual_out is None else RMSNormOutput(out, residual_out)

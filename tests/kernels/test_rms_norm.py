@@ -36,12 +36,18 @@ def test_rms_norm_matches_reference(shape, hidden, dtype, device):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-def test_rms_norm_of_strided_heads(device):
-    """Per-head q / k norms (Qwen3) see `[tokens, heads, head_dim]` views of a wider row."""
-    qkv = torch.randn(6, 3 * 4 * 32, device=device)
-    q = qkv[:, : 4 * 32].view(6, 4, 32)
+@pytest.mark.parametrize("num_tokens", [1, 6, 37])
+def test_rms_norm_of_strided_heads(num_tokens, device):
+    """Per-head q / k norms (Qwen3) see `[tokens, heads, head_dim]` views of a wider row,
+    read in place (several rows per program, the last program's partly masked)."""
+    qkv = torch.randn(num_tokens, 3 * 4 * 32, device=device)
+    q = qkv[:, : 4 * 32].view(num_tokens, 4, 32)
+    k = qkv[:, 4 * 32 : 5 * 32].view(num_tokens, 1, 32)
     weight = torch.randn(32, device=device)
-    assert_close(rms_norm(q, weight, 1e-6), rms_norm_ref(q, weight, 1e-6), ELEMENTWISE_TOLERANCE)
+    for heads in (q, k):
+        out = rms_norm(heads, weight, 1e-6)
+        assert out.shape == heads.shape and out.is_contiguous()
+        assert_close(out, rms_norm_ref(heads, weight, 1e-6), ELEMENTWISE_TOLERANCE)
 
 
 def test_float32_weight_promotes_the_output(device):
@@ -66,10 +72,11 @@ def test_launcher_rejects_bad_arguments(device):
         rms_norm(x.long(), weight, 1e-6)
 
 
-@pytest.mark.parametrize("hidden", [64, 96, gpu_only(4096)])
+@pytest.mark.parametrize("hidden", [64, 96, 128, gpu_only(2048), gpu_only(4096)])
 def test_a_row_gets_the_same_bits_in_any_batch(hidden, device):
-    """One program per row, launched by the hidden size alone: a row's output does not
-    depend on how many rows come with it (the batch-invariant mode relies on it)."""
+    """Rows per program and launch chosen by the hidden size alone: a row's output does not
+    depend on how many rows come with it, nor on where in a program it lands (the
+    batch-invariant mode relies on it)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(37, hidden, generator=gen).to(torch.bfloat16).to(device)
     residual = torch.randn(37, hidden, generator=gen).to(torch.bfloat16).to(device)
@@ -82,3 +89,8 @@ def test_a_row_gets_the_same_bits_in_any_batch(hidden, device):
         )
     flipped = rms_norm(x.flip(0), weight, 1e-6)
     assert torch.equal(flipped.flip(0), rms_norm(x, weight, 1e-6))
+    heads = torch.cat([x, x], dim=1).view(37, 2, hidden)  # heads of a wider row, in place
+    both = rms_norm(heads, weight, 1e-6)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
+        assert torch.equal(rms_norm(heads[rows], weight, 1e-6), both[rows])
+        assert torch.equal(both[rows, 1], rms_norm(x[rows], weight, 1e-6))

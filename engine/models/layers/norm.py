@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
 
     batch_invariant: bool = False
     """On the PyTorch path, sum each row's squares in one fixed order whatever the number
-    of rows (`sum_square`); the Triton kernel is invariant as it is (one program per row,
-    launched by the hidden size alone)."""
+    of rows (`sum_square`); the Triton kernel is invariant as it is (rows per program and
+    launch chosen by the hidden size alone)."""
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, sum_over: TPGroup | None = None
