@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import os
 import sys
@@ -570,11 +571,13 @@ def _join_results(parts: list[Any]) -> Any:
 
 
 def _rows(results: torch.Tensor | list[Any], as_tensors: bool = False) -> Sequence[Any]:
-    """One item per input: a matrix's rows as tensor views (`as_tensors`) or numpy views
-    (an `EmbeddingOutput` makes its list from one when it is read), else the list as it
-    is."""
+    """One item per input: a matrix's rows as `(matrix, i)` (`as_tensors`: a
+    `PoolingOutput` makes its tensor view when it is read) or numpy views (an
+    `EmbeddingOutput` makes its list from one when it is read), else the list as it is."""
     if isinstance(results, torch.Tensor):
-        return results.unbind(0) if as_tensors else list(results.numpy())
+        if as_tensors:
+            return list(zip(itertools.repeat(results), range(results.shape[0])))
+        return list(results.numpy())
     return results
 
 

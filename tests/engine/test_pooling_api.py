@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import numpy as np
@@ -192,6 +193,22 @@ def test_matryoshka_dimensions(minilm, minilm_dir, tmp_path, monkeypatch):
         torch.testing.assert_close(
             torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
         )
+
+
+def test_encode_rows_are_tensors_of_their_own_when_read_and_pickled(minilm):
+    """encode's per-text tensors are rows of the call's matrix, made when read; a pickled
+    output carries its own row, not the matrix."""
+    texts = ["hello world", "a b c d", "the quick brown fox"]
+    outs = minilm.encode(texts, pooling_task="embed", use_tqdm=False)
+    matrix = minilm.embed_matrix(texts, use_tqdm=False)
+    for row, out in zip(matrix, outs, strict=True):
+        assert isinstance(out.outputs.data, torch.Tensor) and out.outputs.data.shape == (384,)
+        assert out.outputs.data is out.outputs.data  # made once, then kept
+        np.testing.assert_array_equal(out.outputs.data.numpy(), row)
+    clone = pickle.loads(pickle.dumps(outs[1]))
+    assert torch.equal(clone.outputs.data, outs[1].outputs.data)
+    assert clone.outputs.data.untyped_storage().nbytes() == 384 * 4
+    assert clone.prompt_token_ids == outs[1].prompt_token_ids
 
 
 def test_encode_and_wrong_task_errors(minilm, tiny_model_factory):
