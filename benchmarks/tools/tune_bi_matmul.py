@@ -1,0 +1,172 @@
+"""Launches of the batch-invariant matmul (`kernels/matmul.py`) on the Llama-3.1-8B layers,
+timed at the row counts of W3 (1), of a W1 decode step (256) and of a W1 prefill chunk
+(16,384), against `F.linear` (cuBLAS), with each launch's invariance checked on the device.
+
+`matmul` takes one launch per weight shape, whatever the number of rows; that is what makes
+a row's sum the same in every batch. This sweep answers two questions for the batch-
+invariant mode (W1-bi at 0.49x the default mode, W3-bi at 1.53x its time per token):
+
+1. Which one launch per shape costs least over a W1 run (the weighted sum below) and at
+   one row, and how far each is from cuBLAS.
+2. Whether the launch may follow the number of rows after all: for each pair of launches
+   that differ only in `block_m` (same `block_n`, `block_k`, warps), are the rows' bits
+   equal? Where they are on the H200, a launch chosen by row count would stay
+   batch-invariant (the GPU invariance tests would still have to confirm it end to end).
+
+Each launch is first checked to give every row the same bits at 1, 256 and 16,384 rows
+(`invariant`), and to agree with cuBLAS to bf16 rounding (`max_abs_diff`). Times are CUDA
+graph replays with L2 flushed (`tune_decode_attention.graph_ms`). One JSON line per
+measurement, then per shape the launch with the least W1 cost:
+`prefill_us * 8 + decode_us * 255` (a W1 run: 8 prefill chunks of 16,384 rows, 255 decode
+steps of 256 rows).
+
+    python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl
+    python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny shapes, any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_decode_attention import graph_ms  # noqa: E402
+
+from batchlm.kernels.matmul import choose_matmul_launch, matmul  # noqa: E402
+
+SHAPES = {  # name: (N, K), the Llama-3.1-8B layers of W1 and W3
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+ROWS = {"bs1": 1, "decode": 256, "prefill": 16384}
+W1_WEIGHTS = {"prefill": 8, "decode": 255}
+# (block_m, block_n, block_k, num_warps, num_stages); the first is today's default for wide
+# layers. Pairs differing only in block_m answer question 2.
+CANDIDATES = [
+    (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (16, 128, 64, 4, 4),
+    (16, 64, 128, 4, 4),
+    (64, 64, 128, 4, 4),
+]
+SMOKE_SHAPES = {"tiny": (48, 64)}
+SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}
+SMOKE_CANDIDATES = [(16, 16, 16, 1, 1), (32, 16, 16, 1, 1), (16, 32, 16, 1, 1)]
+
+
+def launch_of(config: tuple[int, ...]) -> dict[str, int]:
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return dict(zip(names, config, strict=True))
+
+
+def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
+    """Every candidate on one shape; returns `{config: {"invariant", rows name: out}}`."""
+    device, dtype = args.device, args.dtype
+    gen = torch.Generator(device=device).manual_seed(0)
+    most = max(rows.values())
+    x = torch.randn(most, k, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k**-0.5
+    timed = args.device == "cuda" and not args.smoke
+    if timed:
+        for label, m in rows.items():
+            us = graph_ms(lambda m=m: F.linear(x[:m], w), args.warmup_ms, args.rep_ms) * 1e3
+            emit(dict(shape=name, n=n, k=k, system="cublas", rows=label, m=m, us=round(us, 2)))
+    results = {}
+    for config in candidates:
+        launch = launch_of(config)
+        record = dict(shape=name, n=n, k=k, launch=list(config))
+        try:
+            outs = {label: matmul(x[:m], w, **launch) for label, m in rows.items()}
+            full = outs["prefill"]
+            record["invariant"] = all(
+                torch.equal(out, full[: out.shape[0]]) for out in outs.values()
+            )
+            reference = F.linear(x[: rows["decode"]], w)
+            record["max_abs_diff"] = round(
+                (outs["decode"].float() - reference.float()).abs().max().item(), 5
+            )
+            if timed:
+                for label, m in rows.items():
+                    us = graph_ms(
+                        lambda m=m, launch=launch: matmul(x[:m], w, **launch),
+                        args.warmup_ms,
+                        args.rep_ms,
+                    )
+                    record[f"{label}_us"] = round(us * 1e3, 2)
+                record["w1_us"] = round(
+                    sum(record[f"{label}_us"] * c for label, c in W1_WEIGHTS.items()), 1
+                )
+        except Exception as exc:  # noqa: BLE001 - a failing launch is reported, the sweep goes on
+            record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            emit(record)
+            continue
+        emit(record)
+        results[config] = dict(record=record, out=outs["prefill"])
+    # Question 2: launches that differ only in block_m.
+    for a, b in itertools.combinations(results, 2):
+        if a[1:] == b[1:]:
+            same = torch.equal(results[a]["out"], results[b]["out"])
+            emit(dict(shape=name, same_bits=same, launches=[list(a), list(b)]))
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
+    ap.add_argument("--warmup-ms", type=float, default=5.0)
+    ap.add_argument("--rep-ms", type=float, default=20.0)
+    args = ap.parse_args()
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu" and not args.smoke:
+        print("tune_bi_matmul: needs a CUDA GPU (or --smoke for tiny shapes on CPU)")
+        return 0
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shapes, rows, candidates = (
+        (SMOKE_SHAPES, SMOKE_ROWS, SMOKE_CANDIDATES) if args.smoke else (SHAPES, ROWS, CANDIDATES)
+    )
+    sink = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+
+    start = time.perf_counter()
+    default = {
+        name: list(choose_matmul_launch(n, k, args.dtype)) for name, (n, k) in shapes.items()
+    }
+    emit(dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              dtype=str(args.dtype), default_launches=default))  # fmt: skip
+    for name, (n, k) in shapes.items():
+        results = sweep_shape(name, n, k, rows, candidates, args, emit)
+        timed = [r["record"] for r in results.values() if "w1_us" in r["record"]]
+        invariant = [r for r in timed if r["invariant"]]
+        if invariant:
+            best = min(invariant, key=lambda r: r["w1_us"])
+            at_one = min(invariant, key=lambda r: r["bs1_us"])
+            emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
+                      best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
+    emit(dict(wall_s=round(time.perf_counter() - start, 1)))
+    if sink:
+        sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
