@@ -21,14 +21,13 @@ measurement, then per shape the launch with the least W1 cost:
 steps of 256 rows).
 
     python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl
-    python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny shapes, any device
+    TRITON_INTERPRET=1 python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny, on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import Recorder  # noqa: E402
 from tune_decode_attention import graph_ms  # noqa: E402
 
 from batchlm.kernels.matmul import choose_matmul_launch, matmul  # noqa: E402
@@ -139,20 +140,16 @@ def main() -> int:
     shapes, rows, candidates = (
         (SMOKE_SHAPES, SMOKE_ROWS, SMOKE_CANDIDATES) if args.smoke else (SHAPES, ROWS, CANDIDATES)
     )
-    sink = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+    recorder = Recorder(args.out)
 
     def emit(record: dict) -> None:
-        line = json.dumps(record)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
+        recorder.record(**record)
 
     start = time.perf_counter()
     default = {
         name: list(choose_matmul_launch(n, k, args.dtype)) for name, (n, k) in shapes.items()
     }
-    emit(dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              dtype=str(args.dtype), default_launches=default))  # fmt: skip
+    emit(dict(dtype=str(args.dtype), default_launches=default))
     for name, (n, k) in shapes.items():
         results = sweep_shape(name, n, k, rows, candidates, args, emit)
         timed = [r["record"] for r in results.values() if "w1_us" in r["record"]]
@@ -163,8 +160,6 @@ def main() -> int:
             emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
                       best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
     emit(dict(wall_s=round(time.perf_counter() - start, 1)))
-    if sink:
-        sink.close()
     return 0
 
 
