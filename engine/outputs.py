@@ -119,29 +119,41 @@ class RequestOutput:
     """Timestamps of the request when the engine collects statistics; else None."""
 
 
-class _ListField:
-    """A dataclass field that may be given a numpy array (or a CPU tensor) and always reads
-    as a list: the array becomes a list on the first read, which is kept.
+class _LazyField:
+    """A dataclass field stored as given and converted on its first read (`materialize`),
+    the result kept.
 
     Large pooling calls hand each output a view of one host array of the call (its flat
     token ids, a batch's embeddings), because most callers never read every output as
-    Python objects, and 100k lists cost more than the forward.
+    Python objects, and 100k lists or tensors cost more than the forward.
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> list:
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:  # no class-level default: the dataclass keeps the field required
             raise AttributeError(self.key[1:])
         value = obj.__dict__[self.key]
-        if not isinstance(value, list):
-            value = value.tolist()
-            obj.__dict__[self.key] = value
-        return value
+        ready = self.materialize(value)
+        if ready is not value:
+            obj.__dict__[self.key] = ready
+        return ready
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj.__dict__[self.key] = value
+
+    @staticmethod
+    def materialize(value: Any) -> Any:
+        return value
+
+
+class _ListField(_LazyField):
+    """May be given a numpy array (or a CPU tensor); always reads as a list."""
+
+    @staticmethod
+    def materialize(value: Any) -> list:
+        return value if isinstance(value, list) else value.tolist()
 
 
 @dataclass
@@ -168,26 +180,17 @@ class ScoringOutput:
     score: float
 
 
-class _TensorRowField:
-    """A dataclass field that may be given `(matrix, i)`, row `i` of a call's result
-    matrix, and always reads as a tensor: the row's view is made on the first read, which
-    is kept. `encode` over 100k texts then makes no tensor object per text unless it is
-    read (each view costs about 2 us, a tenth of the call)."""
+class _TensorRowField(_LazyField):
+    """May be given `(matrix, i)`, row `i` of a call's result matrix; always reads as a
+    tensor (the row's view: `encode` over 100k texts then makes no tensor object per text
+    unless it is read, each view costing about 2 us, a tenth of the call)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.key = "_" + name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            raise AttributeError(self.key[1:])
-        value = obj.__dict__[self.key]
+    @staticmethod
+    def materialize(value: Any) -> Any:
         if isinstance(value, tuple):
             matrix, row = value
-            value = obj.__dict__[self.key] = matrix[row]
+            return matrix[row]
         return value
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.key] = value
 
 
 @dataclass
