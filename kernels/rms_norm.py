@@ -67,10 +67,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + rows[:, None] * stride_ro + offs[None, :], x, mask=mask)
     w = tl.load(weight_ptr + offs, mask=offs < HIDDEN, other=0.0)
-    h = x.to(tl.float32)
-    mean_square = tl.sum(h * h, 1) / HIDDEN
-    normed = (h * tl.rsqrt(mean_square + eps)[:, None]).to(x.dtype)
-    out = normed.to(tl.float32) * w.to(tl.float32)[None, :]
+    out = rms_norm_row(x, w, eps, HIDDEN)
     tl.store(
         out_ptr + rows[:, None] * stride_o + offs[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -80,11 +77,12 @@ def _rms_norm_kernel(
 
 @triton.jit
 def rms_norm_row(x, w, eps, HIDDEN: tl.constexpr):
-    """One row `x` (the activation dtype, zeros past HIDDEN) normalised and scaled by `w`,
-    in float32: the mean square in float32, the normalised row rounded to x's dtype, then
-    the weight, as the PyTorch layer rounds."""
+    """A row `x` (`[BLOCK]`), or rows (`[ROWS, BLOCK]`), in the activation dtype with zeros
+    past HIDDEN, normalised along the last axis and scaled by `w` (`[BLOCK]`), in float32:
+    the mean square in float32, the normalised row rounded to x's dtype, then the weight,
+    as the PyTorch layer rounds."""
     h = x.to(tl.float32)
-    mean_square = tl.sum(h * h, 0) / HIDDEN
+    mean_square = tl.sum(h * h, axis=len(h.shape) - 1, keep_dims=True) / HIDDEN
     normed = (h * tl.rsqrt(mean_square + eps)).to(x.dtype)
     return normed.to(tl.float32) * w.to(tl.float32)
 
