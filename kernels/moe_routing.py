@@ -271,8 +271,8 @@ def align_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the `num_tokens * top_k` slots (`token * top_k + j`) by expert, each group
     padded to a multiple of `block_m`, in one kernel (one program per expert, or one
-    program for up to `ONE_PROGRAM_MAX_SLOTS` slots) and with no host synchronisation. `topk_ids` must lie in `[0, num_experts)` (not checked: that
-    would synchronise).
+    program for up to `ONE_PROGRAM_MAX_SLOTS` slots) and with no host synchronisation.
+    `topk_ids` must lie in `[0, num_experts)` (not checked: that would synchronise).
 
     One kernel rather than the twenty-odd PyTorch ops of a sort-based grouping: those are
     launches on the critical path of every MoE layer, and at batch 1 they took more of a
@@ -306,14 +306,10 @@ def align_tokens(
     expert_of_block = torch.empty(size // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block_e = next_power_of_2(num_experts)
+    args = (flat, sorted_slots, expert_of_block, num_padded, num_slots, size)
     if num_slots <= ONE_PROGRAM_MAX_SLOTS:
         _align_tokens_one_program_kernel[(1,)](
-            flat,
-            sorted_slots,
-            expert_of_block,
-            num_padded,
-            num_slots,
-            size,
+            *args,
             BLOCK_M=block_m,
             BLOCK_E=block_e,
             BLOCK_S=max(16, next_power_of_2(num_slots)),
@@ -328,12 +324,7 @@ def align_tokens(
     # prefill sizes take chunks of 4,096 over 8 warps.
     chunk = max(16, min(4096, next_power_of_2(num_slots)))
     _align_tokens_kernel[(num_experts,)](
-        flat,
-        sorted_slots,
-        expert_of_block,
-        num_padded,
-        num_slots,
-        size,
+        *args,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         CHUNK=chunk,
