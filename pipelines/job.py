@@ -31,7 +31,7 @@ from batchlm.operators.rows import (
     stable_hash,
 )
 
-from .output import OutputFolder, job_manifest
+from .output import OutputFolder, ShardCommitter, job_manifest
 from .progress import JobSummary, Progress, metric_values
 from .runner import Runner, ShardBatch, ShardInput
 from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
@@ -208,7 +208,8 @@ def _write_shards(
     pending: list[Shard],
     bar: Progress,
 ) -> int:
-    """Feeds `pending` to the runner and commits each shard's file as soon as it is whole."""
+    """Feeds `pending` to the runner and commits each shard's file once it is whole, in the
+    background while the next shard's rows arrive."""
     by_index = {s.index: s for s in pending}
     num_rows: dict[int, int] = {}
     schemas: dict[int, pa.Schema] = {}
@@ -236,34 +237,40 @@ def _write_shards(
             yield ShardInput(shard.index, table)
 
     stream = iter(run(inputs()))
-    for batch in stream:
-        index = batch.index
-        shard = by_index[index]
-        with out.shard_writer(shard.name, schemas[index], compression) as writer:
-            while True:
-                if batch.index != index:
+    with ShardCommitter(out, commit) as committer:
+        for batch in stream:
+            index = batch.index
+            shard = by_index[index]
+            writer = out.open_shard(shard.name, schemas[index], compression)
+            try:
+                while True:
+                    if batch.index != index:
+                        raise RuntimeError(
+                            f"runner {plan.job.runner!r} started shard {batch.index} before "
+                            f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
+                        )
+                    fault_injection.before_batch_write(num_batches)
+                    writer.write(batch.table)
+                    num_batches += 1
+                    bar.update(batch.table)
+                    if writer.num_rows >= num_rows[index]:
+                        break
+                    batch = next(stream, None)
+                    if batch is None:
+                        raise RuntimeError(
+                            f"runner {plan.job.runner!r} stopped after {writer.num_rows} of "
+                            f"{num_rows[index]} rows of shard {shard.name}"
+                        )
+                if writer.num_rows != num_rows[index]:
                     raise RuntimeError(
-                        f"runner {plan.job.runner!r} started shard {batch.index} before "
-                        f"finishing shard {index} ({writer.num_rows}/{num_rows[index]} rows)"
+                        f"runner {plan.job.runner!r} returned {writer.num_rows} rows for shard "
+                        f"{shard.name}, which has {num_rows[index]}"
                     )
-                fault_injection.before_batch_write(num_batches)
-                writer.write(batch.table)
-                num_batches += 1
-                bar.update(batch.table)
-                if writer.num_rows >= num_rows[index]:
-                    break
-                batch = next(stream, None)
-                if batch is None:
-                    raise RuntimeError(
-                        f"runner {plan.job.runner!r} stopped after {writer.num_rows} of "
-                        f"{num_rows[index]} rows of shard {shard.name}"
-                    )
-            if writer.num_rows != num_rows[index]:
-                raise RuntimeError(
-                    f"runner {plan.job.runner!r} returned {writer.num_rows} rows for shard "
-                    f"{shard.name}, which has {num_rows[index]}"
-                )
-        commit()
+            except BaseException:
+                out.abandon_shard(writer)
+                raise
+            committer.submit(writer)  # its last row group and rename overlap the next shard
+        committer.wait()
     return num_written
 
 

@@ -23,7 +23,7 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -186,19 +186,88 @@ class OutputFolder:
     ) -> Iterator[ShardWriter]:
         """Writes one shard's file; it appears under its final name only if the block
         finishes without an exception."""
-        tmp = self.path / f"{TMP_PREFIX}{name}.parquet.{os.getpid()}"
-        writer = ShardWriter(tmp, schema, compression)
+        writer = self.open_shard(name, schema, compression)
         try:
             yield writer
+        except BaseException:
+            self.abandon_shard(writer)
+            raise
+        self.commit_shard(writer)
+
+    def open_shard(self, name: str, schema: pa.Schema, compression: str = "zstd") -> ShardWriter:
+        """A writer of shard `name`'s temporary file; `commit_shard` or `abandon_shard` ends
+        it."""
+        tmp = self.path / f"{TMP_PREFIX}{name}.parquet.{os.getpid()}"
+        return ShardWriter(tmp, schema, compression, name)
+
+    def commit_shard(self, writer: ShardWriter) -> None:
+        """Writes the shard's last rows and renames its file to its final name, flushed to
+        disk; on any failure the temporary file is removed and the error raised."""
+        try:
             writer.close()
-            _fsync(tmp)
-            os.replace(tmp, self.part_path(name))
+            _fsync(writer.path)
+            os.replace(writer.path, self.part_path(writer.name))
             _fsync(self.path)
+        except BaseException:
+            self.abandon_shard(writer)
+            raise
+
+    def abandon_shard(self, writer: ShardWriter) -> None:
+        """Gives up the shard's temporary file (the rows it holds are written again by the
+        next run)."""
+        try:
+            writer.close(flush=False)  # may fail too (a full disk): the file goes anyway
         finally:
-            try:
-                writer.close(flush=False)  # may fail too (a full disk): the file goes anyway
-            finally:
-                tmp.unlink(missing_ok=True)
+            writer.path.unlink(missing_ok=True)
+
+
+class ShardCommitter:
+    """Commits whole shards (`OutputFolder.commit_shard`) on a thread of its own, one at a
+    time and in order, so that the last row group's compression, the flushes and the
+    rename of one shard overlap the next shard's rows. `on_commit` runs on the caller's
+    thread once a shard's file is in place; a failed commit raises from the next call.
+
+    Example:
+        >>> with ShardCommitter(out, on_commit) as committer:
+        ...     committer.submit(writer)   # returns at once
+        ...     committer.wait()           # the last shard is in place (or its error)
+    """
+
+    def __init__(self, out: OutputFolder, on_commit: Callable[[], None]) -> None:
+        self._out = out
+        self._on_commit = on_commit
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchlm-commit")
+        self._in_flight: Future[None] | None = None
+
+    def submit(self, writer: ShardWriter) -> None:
+        """Commits `writer`'s shard in the background, after the shard before it."""
+        try:
+            self.wait()
+        except BaseException:
+            self._out.abandon_shard(writer)  # its rows are written again by the next run
+            raise
+        self._in_flight = self._thread.submit(self._out.commit_shard, writer)
+
+    def wait(self) -> None:
+        """Returns once the shard in flight, if any, is committed; raises its error."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+            self._on_commit()
+
+    def close(self) -> None:
+        """Lets a commit in flight finish (a whole shard is kept even when the job fails
+        after it); its error is dropped here, so call `wait` first on success."""
+        self._thread.shutdown(wait=True)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and in_flight.exception() is None:
+            self._on_commit()
+
+    def __enter__(self) -> ShardCommitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 ROW_GROUP_BYTES = 64 << 20
@@ -236,7 +305,11 @@ class ShardWriter:
     handed in; all of them are in the file once `close()` returns.
     """
 
-    def __init__(self, path: Path, schema: pa.Schema, compression: str) -> None:
+    def __init__(self, path: Path, schema: pa.Schema, compression: str, name: str = "") -> None:
+        self.path = path
+        """The file being written."""
+        self.name = name
+        """The shard's name (its final file is `<name>.parquet`)."""
         self.schema = schema
         self.num_rows = 0
         codec = None if compression == "none" else compression
@@ -335,6 +408,7 @@ def _fsync(path: Path) -> None:
 
 __all__ = [
     "OutputFolder",
+    "ShardCommitter",
     "ShardWriter",
     "OutputConflictError",
     "OutputNotWritableError",
