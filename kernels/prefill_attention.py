@@ -63,7 +63,12 @@ from .paged_tile import (
 )
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = ["FIXED_SPLIT_SIZE", "prefill_attention", "prefill_attention_ref"]
+__all__ = [
+    "FIXED_SPLIT_SIZE",
+    "batch_invariant_tile",
+    "prefill_attention",
+    "prefill_attention_ref",
+]
 
 # Default tile: (token, head) rows and keys. 16-bit heads of 128 with a GQA group of 8 or
 # less take taller, shorter tiles: faster for them, slower for heads of 64 (sweeps in
@@ -444,6 +449,22 @@ def prefill_attention(
             sliding_window,
         )  # fmt: skip
     return out
+
+
+def batch_invariant_tile(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, int]:
+    """The tile the batch-invariant mode launches every step with (`block_m`, `block_n`):
+    one token's GQA group padded to 16 rows or more, and the decode kernel's key tile.
+
+    Every step of that mode runs this kernel, decode steps included, so its query tile is
+    sized for them: a decode token fills `group` of the tile's rows. The default tall tile
+    (128 rows) would leave all but `group` of them idle on every decode step; prefill
+    steps instead read each key tile for fewer query rows, which costs little beside their
+    matmuls. The tile depends on the model's shapes alone."""
+    wide = dtype == torch.float32 or head_dim > 128
+    return {
+        "block_m": max(16, next_power_of_2(group)),
+        "block_n": _BLOCK_N // 2 if wide else _BLOCK_N,
+    }
 
 
 def choose_split_programs(

@@ -9,7 +9,8 @@ kernel and every other step (prefills, chunked prefills, prefix-cache hits, mixe
 tensors directly; `prepare` only decides which kernel the step uses.
 
 Batch-invariant (`batch_invariant=True`): every step runs the prefill kernel, decode-only
-steps (and their CUDA graphs) included, with its keys split at fixed boundaries
+steps (and their CUDA graphs) included, on one tile sized for decode tokens
+(`batch_invariant_tile`), with its keys split at fixed boundaries
 (`FIXED_SPLIT_SIZE`): each split attended from scratch over key tiles that start at
 multiples of the key tile from position 0, where keys a token cannot see add exact zeros,
 and the splits folded in order. Its tiles depend on the model's shapes alone; so a
@@ -28,7 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from batchlm.kernels.decode_attention import decode_attention
-from batchlm.kernels.prefill_attention import FIXED_SPLIT_SIZE, prefill_attention
+from batchlm.kernels.prefill_attention import (
+    FIXED_SPLIT_SIZE,
+    batch_invariant_tile,
+    prefill_attention,
+)
 from batchlm.kernels.rotary import rotary_embedding_into_cache
 from batchlm.kernels.write_kv_cache import write_kv_cache
 
@@ -110,6 +115,10 @@ class TritonAttentionBackend(AttentionBackend):
                 split_each_seq=metadata.max_seq_len_is_bound,
                 softcap=softcap,
             )
+        tile = {}
+        if self.batch_invariant:
+            group = query.shape[1] // key_cache.shape[2]
+            tile = batch_invariant_tile(query.dtype, query.shape[2], group)
         return prefill_attention(
             query,
             key_cache,
@@ -123,4 +132,5 @@ class TritonAttentionBackend(AttentionBackend):
             softcap=softcap,
             fixed_split_size=FIXED_SPLIT_SIZE if self.batch_invariant else None,
             max_seq_len=metadata.max_seq_len,
+            **tile,
         )

@@ -9,6 +9,7 @@ import torch
 
 from batchlm.kernels.prefill_attention import (
     FIXED_SPLIT_SIZE,
+    batch_invariant_tile,
     prefill_attention,
     prefill_attention_ref,
 )
@@ -277,14 +278,29 @@ def test_fixed_splits_give_a_token_the_same_bits_in_any_batch_or_chunk(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["default", "batch_invariant"])
 @pytest.mark.parametrize("sliding_window", [None, 1000])
-def test_fixed_splits_bitwise_at_llama_8b_shape(sliding_window, device):
-    """The same on the GPU at Llama-3.1-8B's attention shape, default tiles and splits."""
+def test_fixed_splits_bitwise_at_llama_8b_shape(sliding_window, tile, device):
+    """The same on the GPU at Llama-3.1-8B's attention shape and the mode's splits, on the
+    default tile and on the one the mode launches (`batch_invariant_tile`)."""
+    launch = batch_invariant_tile(torch.bfloat16, 128, 4) if tile == "batch_invariant" else {}
     _fixed_split_bits(
         torch.bfloat16, device, sliding_window=sliding_window, length=2100, head_dim=128,
         group=4, block_size=16, num_kv_heads=8, split_size=FIXED_SPLIT_SIZE, bound=4096,
-        launch={},
+        launch=launch,
     )  # fmt: skip
+
+
+def test_fixed_splits_bitwise_on_the_batch_invariant_tile(device):
+    """The tile the mode launches (one decode token's GQA group padded to 16 rows, the
+    decode kernel's key tile) keeps the fixed-split property, with odd groups too."""
+    for group in (3, 16):
+        launch = batch_invariant_tile(torch.bfloat16, 32, group)
+        assert launch["block_m"] >= max(16, group), launch
+        _fixed_split_bits(
+            torch.bfloat16, device, sliding_window=None, length=80, head_dim=32, group=group,
+            block_size=8, num_kv_heads=1, split_size=launch["block_n"], bound=128, launch=launch,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("split_programs", [False, True])
