@@ -97,6 +97,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def device_name(device: torch.device) -> str:
+    """The name launch tables give `device`: `torch.cuda.get_device_name`, or the device
+    type (`cpu` under the interpreter). Queried once per device."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -14,6 +14,12 @@ Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output ch
 scale applied to the float32 sum (weight-only quantization; the activations are not
 quantized).
 
+Launches come from a table kept in the repository (`kernels/configs/matmul.json`, written
+by `benchmarks/tools/tune_bi_matmul.py` on the device it names), keyed by the device's
+name, `N`, `K` and the dtypes; shapes it does not cover take the defaults. Any one launch
+per weight keeps the rows invariant; the table picks the one that costs least across row
+counts.
+
 `matmul_ref` is the plain PyTorch product, made batch-invariant on its own: it multiplies
 fixed chunks of `REF_ROWS` rows (the last one padded with zeros), so every call of the
 underlying CPU GEMM has the same shape. It is the CPU path of the batch-invariant mode.
@@ -21,6 +27,9 @@ underlying CPU GEMM has the same shape. It is the CPU path of the batch-invarian
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -35,17 +44,25 @@ from .launch import (
     check_power_of_2,
     check_same_device,
     check_tensor,
+    device_name,
     dot_dtype,
 )
 from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
+    "DEFAULT_TABLE_PATH",
     "REF_ROWS",
     "MatmulLaunch",
+    "MatmulShape",
     "choose_matmul_launch",
+    "load_matmul_table",
     "matmul",
     "matmul_ref",
+    "table_entry",
 ]
+
+DEFAULT_TABLE_PATH = Path(__file__).parent / "configs" / "matmul.json"
+"""The launch table `matmul` reads (absent: the defaults everywhere)."""
 
 REF_ROWS = 16
 """Rows per product in `matmul_ref`: one GEMM shape for every call."""
@@ -130,11 +147,31 @@ class MatmulLaunch(NamedTuple):
     num_stages: int
 
 
+class MatmulShape(NamedTuple):
+    """What a launch table entry is for."""
+
+    device_name: str
+    """`torch.cuda.get_device_name` (`cpu` under the interpreter)."""
+    n: int
+    """Output features."""
+    k: int
+    """Input features."""
+    dtype: str
+    """The activations' dtype (`bfloat16`, ...)."""
+    weight_dtype: str
+    """The weight's dtype: the activations' or `float8_e4m3fn` / `int8`."""
+
+
+_ENTRY_KEYS = {*MatmulShape._fields, "launch"} - {"device_name"} | {"device"}
+
+
 def choose_matmul_launch(
     num_n: int,
     num_k: int,
     dtype: torch.dtype,
     *,
+    shape: MatmulShape | None = None,
+    table: dict[MatmulShape, MatmulLaunch] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -142,23 +179,90 @@ def choose_matmul_launch(
     num_stages: int | None = None,
 ) -> MatmulLaunch:
     """The launch `matmul` makes for a weight of `num_n` outputs by `num_k` inputs whose
-    activations are `dtype`. It never sees the number of rows: that is the invariant.
-    Each None takes its default; the rest are validated (`ValueError` naming the value)."""
-    wide = num_n >= _WIDE_N
-    small = dtype == torch.float32  # float32 tiles take twice the shared memory
-    launch = MatmulLaunch(
-        64 if block_m is None else block_m,
-        (128 if wide and not small else 64) if block_n is None else block_n,
-        (32 if small else 64) if block_k is None else block_k,
-        4 if num_warps is None else num_warps,
-        (3 if small else 4) if num_stages is None else num_stages,
+    activations are `dtype`: the table's entry for `shape` when it has one (`table` None:
+    `load_matmul_table()`, the repository's), else the defaults. It never sees the number
+    of rows: that is the invariant. Each None override takes the table's or default value;
+    the rest are validated (`ValueError` naming the value)."""
+    if table is None:
+        table = load_matmul_table()
+    base = table.get(shape) if shape is not None else None
+    if base is None:
+        wide = num_n >= _WIDE_N
+        small = dtype == torch.float32  # float32 tiles take twice the shared memory
+        base = MatmulLaunch(
+            64, 128 if wide and not small else 64, 32 if small else 64, 4, 3 if small else 4
+        )
+    given = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    return _check_launch(base._replace(**{k: v for k, v in given.items() if v is not None}))
+
+
+def _check_launch(launch: MatmulLaunch) -> MatmulLaunch:
     check_power_of_2("block_m", launch.block_m, 16, 256, "rows per tile")
     check_power_of_2("block_n", launch.block_n, 16, 256, "output features per tile")
     check_power_of_2("block_k", launch.block_k, 16, 256, "input features per K step")
     check_power_of_2("num_warps", launch.num_warps, 1, 16, "warps per program")
     check_num_stages(launch.num_stages)
     return launch
+
+
+@functools.cache
+def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> dict[MatmulShape, MatmulLaunch]:
+    """The launch table in `path`, read and validated once per path; empty when the file
+    does not exist. Its form:
+
+        {"entries": [{"device": "NVIDIA H200", "n": 6144, "k": 4096, "dtype": "bfloat16",
+                      "weight_dtype": "bfloat16", "launch": [64, 64, 64, 4, 4]}, ...]}
+
+    with each launch `[block_m, block_n, block_k, num_warps, num_stages]`.
+
+    Raises:
+        ValueError: the file is not a valid table (the message names the entry).
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"matmul launch table {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError(f'matmul launch table {path} must be an object with an "entries" list')
+    table: dict[MatmulShape, MatmulLaunch] = {}
+    for i, entry in enumerate(data["entries"]):
+        where = f"matmul launch table {path}, entry {i}"
+        if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(f"{where}: expected the keys {sorted(_ENTRY_KEYS)}, got {got}")
+        shape = MatmulShape(
+            entry["device"], entry["n"], entry["k"], entry["dtype"], entry["weight_dtype"]
+        )
+        for name, value in shape._asdict().items():
+            want = int if name in ("n", "k") else str
+            if (
+                not isinstance(value, want)
+                or isinstance(value, bool)
+                or (want is int and value < 1)
+            ):
+                raise ValueError(f"{where}: {name}={value!r} must be a {want.__name__} (> 0)")
+        if shape in table:
+            raise ValueError(f"{where}: a second entry for {shape}")
+        try:
+            table[shape] = _check_launch(MatmulLaunch(*entry["launch"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e} (a launch is {list(MatmulLaunch._fields)})") from e
+    return table
+
+
+def table_entry(shape: MatmulShape, launch: MatmulLaunch) -> dict[str, object]:
+    """One entry of the JSON table (what the tuner writes)."""
+    fields = shape._asdict()
+    return {"device": fields.pop("device_name"), **fields, "launch": list(launch)}
 
 
 def _check_operands(
@@ -206,9 +310,9 @@ def matmul(
             along K. Under PDL it is read after the wait, like any input.
         bias: `[N]` or None, added after the scale.
         weight_scale: `[N]` float32 per-output-channel scales of a quantized weight.
-        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` overrides (see
-            `choose_matmul_launch`; a row's result depends on `block_k` and the tile
-            shapes, so callers that compare results keep them fixed).
+        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` overrides of
+            the table's launch (see `choose_matmul_launch`; a row's result depends on
+            `block_k` and the tile shapes, so callers that compare results keep them fixed).
 
     Returns:
         `[M, N]` in x's dtype, accumulated in float32.
@@ -222,7 +326,10 @@ def matmul(
     device = check_same_device(_matmul_kernel, **tensors)
     num_m, num_k = x.shape
     num_n = weight.shape[0]
-    cfg = choose_matmul_launch(num_n, num_k, x.dtype, **launch)
+    shape = MatmulShape(
+        device_name(device), num_n, num_k, _dtype_name(x.dtype), _dtype_name(weight.dtype)
+    )
+    cfg = choose_matmul_launch(num_n, num_k, x.dtype, shape=shape, **launch)
     y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
     if num_m == 0 or num_n == 0:
         return y
@@ -251,6 +358,10 @@ def matmul(
         **launch_options(_matmul_kernel, device),
     )
     return y
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def matmul_ref(

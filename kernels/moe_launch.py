@@ -33,9 +33,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
-from .launch import check_num_stages, check_power_of_2, next_power_of_2
+from .launch import check_num_stages, check_power_of_2, device_name, next_power_of_2
 
 __all__ = [
     "DEFAULT_TABLE_PATH",
@@ -106,14 +104,6 @@ _DEFAULTS: dict[int | None, MoeLaunch] = {
 }
 _LAUNCH_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 _ENTRY_KEYS = {*MoeShape._fields, "launches"} - {"device_name"} | {"device"}
-
-
-@functools.cache
-def device_name(device: torch.device) -> str:
-    """The name a table entry gives for `device` (queried once per device)."""
-    if device.type != "cuda":
-        return device.type
-    return torch.cuda.get_device_name(device)
 
 
 def check_launch(launch: MoeLaunch) -> MoeLaunch:

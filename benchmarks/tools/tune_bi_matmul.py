@@ -9,9 +9,11 @@ invariant mode (W1-bi at 0.49x the default mode, W3-bi at 1.53x its time per tok
 1. Which one launch per shape costs least over a W1 run (the weighted sum below) and at
    one row, and how far each is from cuBLAS.
 2. Whether the launch may follow the number of rows after all: for each pair of launches
-   that differ only in `block_m` (same `block_n`, `block_k`, warps), are the rows' bits
-   equal? Where they are on the H200, a launch chosen by row count would stay
-   batch-invariant (the GPU invariance tests would still have to confirm it end to end).
+   with the same `block_k` (the unit of every row's K order), are the rows' bits equal,
+   and which of `block_m`, `block_n`, warps and stages differ between them? Tiles under
+   64 rows run Triton's `mma` instruction, 64 and over its `wgmma` on Hopper. Where the
+   bits are equal on the H200, a launch chosen by row count would stay batch-invariant
+   (the GPU invariance tests would still have to confirm it end to end).
 
 Each launch is first checked to give every row the same bits at 1, 256 and 16,384 rows
 (`invariant`), and to agree with cuBLAS to bf16 rounding (`max_abs_diff`). Times are CUDA
@@ -20,7 +22,11 @@ measurement, then per shape the launch with the least W1 cost:
 `prefill_us * 8 + decode_us * 255` (a W1 run: 8 prefill chunks of 16,384 rows, 255 decode
 steps of 256 rows).
 
-    python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl
+`--table-out` writes the launch table `matmul` reads (`kernels/configs/matmul.json`): per
+shape, the invariant launch whose worse ratio to cuBLAS, over a W1 run and at one row, is
+least (the batch-invariant mode's targets bound both).
+
+    python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl --table-out $OUT/matmul.json
     TRITON_INTERPRET=1 python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny, on a CPU
 """
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,15 +47,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Recorder  # noqa: E402
 from tune_decode_attention import graph_ms  # noqa: E402
 
-from batchlm.kernels.matmul import choose_matmul_launch, matmul  # noqa: E402
+from batchlm.kernels.launch import device_name  # noqa: E402
+from batchlm.kernels.matmul import (  # noqa: E402
+    MatmulLaunch,
+    MatmulShape,
+    choose_matmul_launch,
+    matmul,
+    table_entry,
+)
 
-SHAPES = {  # name: (N, K), the Llama-3.1-8B layers of W1 and W3
+SHAPES = {  # name: (N, K), the layers of W1 and W3 (Llama-3.1-8B) and W2 (Qwen2.5-0.5B)
     "qkv_proj": (6144, 4096),
     "o_proj": (4096, 4096),
     "gate_up_proj": (28672, 4096),
     "down_proj": (4096, 14336),
+    "lm_head": (128256, 4096),
+    "qwen_qkv_proj": (1152, 896),
+    "qwen_o_proj": (896, 896),
+    "qwen_gate_up_proj": (9728, 896),
+    "qwen_down_proj": (896, 4864),
+    "qwen_lm_head": (151936, 896),
 }
 ROWS = {"bs1": 1, "decode": 256, "prefill": 16384}
+# The LM head sees one row per sequence whose logits a step samples, never a whole chunk.
+HEAD_ROWS = {"bs1": 1, "decode": 256, "prefill": 256}
 W1_WEIGHTS = {"prefill": 8, "decode": 255}
 # (block_m, block_n, block_k, num_warps, num_stages); the first is today's default for wide
 # layers. Pairs differing only in block_m answer question 2.
@@ -63,6 +85,9 @@ CANDIDATES = [
     (16, 128, 64, 4, 4),
     (16, 64, 128, 4, 4),
     (64, 64, 128, 4, 4),
+    (64, 32, 64, 4, 4),
+    (64, 16, 128, 4, 4),
+    (16, 32, 64, 4, 4),
 ]
 SMOKE_SHAPES = {"tiny": (48, 64)}
 SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}
@@ -82,10 +107,13 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
     x = torch.randn(most, k, device=device, dtype=dtype, generator=gen)
     w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k**-0.5
     timed = args.device == "cuda" and not args.smoke
+    cublas = {}
     if timed:
         for label, m in rows.items():
             us = graph_ms(lambda m=m: F.linear(x[:m], w), args.warmup_ms, args.rep_ms) * 1e3
+            cublas[label] = us
             emit(dict(shape=name, n=n, k=k, system="cublas", rows=label, m=m, us=round(us, 2)))
+        cublas["w1"] = sum(cublas[label] * c for label, c in W1_WEIGHTS.items())
     results = {}
     for config in candidates:
         launch = launch_of(config)
@@ -111,23 +139,30 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
                 record["w1_us"] = round(
                     sum(record[f"{label}_us"] * c for label, c in W1_WEIGHTS.items()), 1
                 )
+                # The launch's worse ratio to cuBLAS: over a W1 run, or at one row.
+                record["worst_ratio"] = round(
+                    max(record["w1_us"] / cublas["w1"], record["bs1_us"] / cublas["bs1"]), 3
+                )
         except Exception as exc:  # noqa: BLE001 - a failing launch is reported, the sweep goes on
             record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             emit(record)
             continue
         emit(record)
         results[config] = dict(record=record, out=outs["prefill"])
-    # Question 2: launches that differ only in block_m.
+    # Question 2: launches with the same K step; `differ` names what else differs.
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     for a, b in itertools.combinations(results, 2):
-        if a[1:] == b[1:]:
+        if a[2] == b[2]:
             same = torch.equal(results[a]["out"], results[b]["out"])
-            emit(dict(shape=name, same_bits=same, launches=[list(a), list(b)]))
+            differ = [n for n, x, y in zip(names, a, b, strict=True) if x != y]
+            emit(dict(shape=name, same_bits=same, differ=differ, launches=[list(a), list(b)]))
     return results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--table-out", default=None, help="write the launch table here (JSON)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
     ap.add_argument("--warmup-ms", type=float, default=5.0)
     ap.add_argument("--rep-ms", type=float, default=20.0)
@@ -147,18 +182,29 @@ def main() -> int:
 
     start = time.perf_counter()
     default = {
-        name: list(choose_matmul_launch(n, k, args.dtype)) for name, (n, k) in shapes.items()
+        name: list(choose_matmul_launch(n, k, args.dtype, table={}))
+        for name, (n, k) in shapes.items()
     }
     emit(dict(dtype=str(args.dtype), default_launches=default))
+    entries = []
     for name, (n, k) in shapes.items():
-        results = sweep_shape(name, n, k, rows, candidates, args, emit)
+        shape_rows = HEAD_ROWS if name.endswith("lm_head") else rows
+        results = sweep_shape(name, n, k, shape_rows, candidates, args, emit)
         timed = [r["record"] for r in results.values() if "w1_us" in r["record"]]
         invariant = [r for r in timed if r["invariant"]]
         if invariant:
             best = min(invariant, key=lambda r: r["w1_us"])
             at_one = min(invariant, key=lambda r: r["bs1_us"])
+            chosen = min(invariant, key=lambda r: r["worst_ratio"])
             emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
-                      best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
+                      best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"],
+                      chosen=chosen["launch"], chosen_worst_ratio=chosen["worst_ratio"]))  # fmt: skip
+            dtype = str(args.dtype).removeprefix("torch.")
+            shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
+            entries.append(table_entry(shape, MatmulLaunch(*chosen["launch"])))
+    if args.table_out:
+        Path(args.table_out).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+        emit(dict(table_out=args.table_out, entries=len(entries)))
     emit(dict(wall_s=round(time.perf_counter() - start, 1)))
     return 0
 

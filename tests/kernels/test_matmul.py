@@ -3,11 +3,22 @@ the output is bitwise the same whatever rows come with it (how many, in which or
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from batchlm.kernels.matmul import REF_ROWS, choose_matmul_launch, matmul, matmul_ref
+from batchlm.kernels.matmul import (
+    REF_ROWS,
+    MatmulLaunch,
+    MatmulShape,
+    choose_matmul_launch,
+    load_matmul_table,
+    matmul,
+    matmul_ref,
+    table_entry,
+)
 
 from .helpers import DTYPES, gpu_only
 
@@ -144,3 +155,69 @@ def test_launch_depends_on_the_weight_alone():
     assert choose_matmul_launch(151936, 896, torch.bfloat16).block_n == 128
     with pytest.raises(ValueError, match="block_k=48"):
         choose_matmul_launch(64, 64, torch.float16, block_k=48)
+
+
+def _write_table(path, *entries):
+    path.write_text(json.dumps({"entries": [table_entry(*e) for e in entries]}))
+    return load_matmul_table(path)
+
+
+def test_launch_table_entry_is_taken_for_its_shape_alone(tmp_path):
+    shape = MatmulShape("cpu", 48, 64, "float32", "float32")
+    launch = MatmulLaunch(32, 16, 16, 2, 2)
+    table = _write_table(tmp_path / "t.json", (shape, launch))
+    assert choose_matmul_launch(48, 64, torch.float32, shape=shape, table=table) == launch
+    # Overrides apply over the entry.
+    got = choose_matmul_launch(48, 64, torch.float32, shape=shape, table=table, num_warps=4)
+    assert got == launch._replace(num_warps=4)
+    # Another device, size or dtype: the defaults.
+    default = choose_matmul_launch(48, 64, torch.float32, table={})
+    for other in (
+        shape._replace(device_name="NVIDIA H100"),
+        shape._replace(n=64),
+        shape._replace(weight_dtype="float8_e4m3fn"),
+    ):
+        assert choose_matmul_launch(48, 64, torch.float32, shape=other, table=table) == default
+    assert load_matmul_table(tmp_path / "t.json") is table  # read once
+    assert load_matmul_table(tmp_path / "missing.json") == {}
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda e: e.update(colour="red"), "expected the keys"),
+        (lambda e: e.update(n=0), "n=0"),
+        (lambda e: e.update(dtype=16), "dtype=16"),
+        (lambda e: e.update(launch=[16, 24, 16, 4, 3]), "block_n=24"),
+        (lambda e: e.update(launch=[16, 16, 16, 4]), "entry 0"),
+    ],
+)
+def test_launch_table_is_validated(tmp_path, edit, match):
+    entry = table_entry(
+        MatmulShape("cpu", 8, 8, "float32", "float32"), MatmulLaunch(16, 16, 16, 1, 1)
+    )
+    edit(entry)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"entries": [entry]}))
+    with pytest.raises(ValueError, match=match):
+        load_matmul_table(path)
+
+
+def test_matmul_runs_the_tables_launch(tmp_path, device, monkeypatch):
+    """`matmul` looks its launch up by device name, sizes and dtypes: its rows equal those
+    of the table's launch passed by hand, and differ from the default's (another K step)."""
+    from batchlm.kernels import matmul as module
+    from batchlm.kernels.launch import device_name
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=gen).to(device)
+    w = torch.randn(48, 64, generator=gen).to(device)
+    launch = MatmulLaunch(16, 16, 16, 1, 1)
+    shape = MatmulShape(device_name(device), 48, 64, "float32", "float32")
+    table = _write_table(tmp_path / "t.json", (shape, launch))
+    default = matmul(x, w)
+    monkeypatch.setattr(module, "load_matmul_table", lambda: table)
+    got = matmul(x, w)
+    assert torch.equal(got, matmul(x, w, **launch._asdict()))
+    assert not torch.equal(got, default), "the two launches give the same bits: no evidence"
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
