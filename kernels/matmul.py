@@ -3,11 +3,10 @@ computed by the same arithmetic whatever the number of rows.
 
 cuBLAS (and most GEMM libraries, the CPU ones included) choose their tiles, their kernel
 and their split of the reduction dimension from all three sizes, so a row's sum over K is
-ordered differently at 1, 7 or 300 rows. Here the launch configuration depends on the
-weight alone (`N`, `K`, dtypes): each program owns a `BLOCK_M x BLOCK_N` tile of the
-output and walks K in `BLOCK_K` steps from 0, accumulating `tl.dot` partial products in
-float32, with no split of K. A row's result therefore depends only on its own values and
-on the weight; the number of rows changes the grid, never what one program computes.
+ordered differently at 1, 7 or 300 rows. Here each program owns a `BLOCK_M x BLOCK_N` tile
+of the output and walks K in `BLOCK_K` steps from 0, accumulating `tl.dot` partial
+products in float32, with no split of K. A row's sum is then ordered by `BLOCK_K` alone,
+never by the number of rows.
 
 Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output channel
 (`weight_scale`): the tile is converted to the activation dtype in the kernel and the
@@ -16,9 +15,12 @@ quantized).
 
 Launches come from a table kept in the repository (`kernels/configs/matmul.json`, written
 by `benchmarks/tools/tune_bi_matmul.py` on the device it names), keyed by the device's
-name, `N`, `K` and the dtypes; shapes it does not cover take the defaults. Any one launch
-per weight keeps the rows invariant; the table picks the one that costs least across row
-counts.
+name, `N`, `K` and the dtypes, with one launch per bucket of rows. All of an entry's
+launches share one `BLOCK_K`; the other sizes (tile rows and columns, warps, stages, and
+with them Triton's choice between Hopper's `wgmma` and `mma`) gave every row the same bits
+in every pair the tuner compared on the H200, and the tuner writes an entry only after
+comparing the launches it chose. Shapes the table does not cover take the defaults: one
+launch whatever the rows, so that nothing unmeasured is assumed.
 
 `matmul_ref` is the plain PyTorch product, made batch-invariant on its own: it multiplies
 fixed chunks of `REF_ROWS` rows (the last one padded with zeros), so every call of the
@@ -27,6 +29,7 @@ underlying CPU GEMM has the same shape. It is the CPU path of the batch-invarian
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from pathlib import Path
@@ -54,6 +57,7 @@ __all__ = [
     "REF_ROWS",
     "MatmulLaunch",
     "MatmulShape",
+    "MatmulTable",
     "choose_matmul_launch",
     "load_matmul_table",
     "matmul",
@@ -162,7 +166,10 @@ class MatmulShape(NamedTuple):
     """The weight's dtype: the activations' or `float8_e4m3fn` / `int8`."""
 
 
-_ENTRY_KEYS = {*MatmulShape._fields, "launch"} - {"device_name"} | {"device"}
+_ENTRY_KEYS = {*MatmulShape._fields, "launches"} - {"device_name"} | {"device"}
+
+MatmulTable = dict[MatmulShape, list[tuple[int, MatmulLaunch]]]
+"""Per shape, `(rows, launch)` buckets in ascending order, all with one `block_k`."""
 
 
 def choose_matmul_launch(
@@ -170,23 +177,32 @@ def choose_matmul_launch(
     num_k: int,
     dtype: torch.dtype,
     *,
+    num_m: int = 1,
     shape: MatmulShape | None = None,
-    table: dict[MatmulShape, MatmulLaunch] | None = None,
+    table: MatmulTable | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> MatmulLaunch:
-    """The launch `matmul` makes for a weight of `num_n` outputs by `num_k` inputs whose
-    activations are `dtype`: the table's entry for `shape` when it has one (`table` None:
-    `load_matmul_table()`, the repository's), else the defaults. It never sees the number
-    of rows: that is the invariant. Each None override takes the table's or default value;
-    the rest are validated (`ValueError` naming the value)."""
+    """The launch `matmul` makes for `num_m` rows times a weight of `num_n` outputs by
+    `num_k` inputs whose activations are `dtype`.
+
+    With a table entry for `shape` (`table` None: `load_matmul_table()`, the
+    repository's), the entry's smallest bucket of at least `num_m` rows (its largest
+    beyond the last). Every bucket of an entry has the same `block_k`, and the tuner
+    wrote the entry only after checking on its device that the buckets' launches give
+    every row the same bits; so the tile may follow the rows while a row's sum does not.
+    Without one, the defaults: one launch whatever the rows. Each None override takes the
+    chosen value; the rest are validated (`ValueError` naming the value)."""
     if table is None:
         table = load_matmul_table()
-    base = table.get(shape) if shape is not None else None
-    if base is None:
+    buckets = table.get(shape) if shape is not None else None
+    if buckets:
+        i = bisect.bisect_left(buckets, num_m, key=lambda bucket: bucket[0])
+        base = buckets[min(i, len(buckets) - 1)][1]
+    else:
         wide = num_n >= _WIDE_N
         small = dtype == torch.float32  # float32 tiles take twice the shared memory
         base = MatmulLaunch(
@@ -212,14 +228,17 @@ def _check_launch(launch: MatmulLaunch) -> MatmulLaunch:
 
 
 @functools.cache
-def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> dict[MatmulShape, MatmulLaunch]:
+def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> MatmulTable:
     """The launch table in `path`, read and validated once per path; empty when the file
     does not exist. Its form:
 
         {"entries": [{"device": "NVIDIA H200", "n": 6144, "k": 4096, "dtype": "bfloat16",
-                      "weight_dtype": "bfloat16", "launch": [64, 64, 64, 4, 4]}, ...]}
+                      "weight_dtype": "bfloat16",
+                      "launches": {"1": [16, 32, 64, 4, 4], "256": [64, 64, 64, 4, 4],
+                                   "16384": [128, 128, 64, 8, 4]}}, ...]}
 
-    with each launch `[block_m, block_n, block_k, num_warps, num_stages]`.
+    with each launch `[block_m, block_n, block_k, num_warps, num_stages]`, keyed by the
+    most rows it is for, all of one entry with the same `block_k`.
 
     Raises:
         ValueError: the file is not a valid table (the message names the entry).
@@ -233,36 +252,57 @@ def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> dict[MatmulShape
         raise ValueError(f"matmul launch table {path} is not valid JSON: {e}") from e
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError(f'matmul launch table {path} must be an object with an "entries" list')
-    table: dict[MatmulShape, MatmulLaunch] = {}
+    table: MatmulTable = {}
     for i, entry in enumerate(data["entries"]):
         where = f"matmul launch table {path}, entry {i}"
-        if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
-            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-            raise ValueError(f"{where}: expected the keys {sorted(_ENTRY_KEYS)}, got {got}")
-        shape = MatmulShape(
-            entry["device"], entry["n"], entry["k"], entry["dtype"], entry["weight_dtype"]
-        )
-        for name, value in shape._asdict().items():
-            want = int if name in ("n", "k") else str
-            if (
-                not isinstance(value, want)
-                or isinstance(value, bool)
-                or (want is int and value < 1)
-            ):
-                raise ValueError(f"{where}: {name}={value!r} must be a {want.__name__} (> 0)")
+        shape, buckets = _read_entry(entry, where)
         if shape in table:
             raise ValueError(f"{where}: a second entry for {shape}")
-        try:
-            table[shape] = _check_launch(MatmulLaunch(*entry["launch"]))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e} (a launch is {list(MatmulLaunch._fields)})") from e
+        table[shape] = buckets
     return table
 
 
-def table_entry(shape: MatmulShape, launch: MatmulLaunch) -> dict[str, object]:
+def _read_entry(entry: object, where: str) -> tuple[MatmulShape, list[tuple[int, MatmulLaunch]]]:
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"{where}: expected the keys {sorted(_ENTRY_KEYS)}, got {got}")
+    shape = MatmulShape(
+        entry["device"], entry["n"], entry["k"], entry["dtype"], entry["weight_dtype"]
+    )
+    for name, value in shape._asdict().items():
+        want = int if name in ("n", "k") else str
+        if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 1):
+            raise ValueError(f"{where}: {name}={value!r} must be a {want.__name__} (> 0)")
+    launches = entry["launches"]
+    if not isinstance(launches, dict) or not launches:
+        raise ValueError(f'{where}: "launches" must map row counts to launches')
+    buckets = []
+    for key, launch in launches.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
+            raise ValueError(f"{where}: bucket {key!r} must be a positive integer")
+        try:
+            buckets.append((int(key), _check_launch(MatmulLaunch(*launch))))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{where}, bucket {key}: {e} (a launch is {list(MatmulLaunch._fields)})"
+            ) from e
+    steps = sorted({launch.block_k for _, launch in buckets})
+    if len(steps) > 1:
+        raise ValueError(
+            f"{where}: buckets with block_k {steps}; a row's sum order follows block_k, so "
+            "one entry keeps one (else a row's bits would depend on its batch)"
+        )
+    return shape, sorted(buckets)
+
+
+def table_entry(shape: MatmulShape, buckets: dict[int, MatmulLaunch]) -> dict[str, object]:
     """One entry of the JSON table (what the tuner writes)."""
     fields = shape._asdict()
-    return {"device": fields.pop("device_name"), **fields, "launch": list(launch)}
+    return {
+        "device": fields.pop("device_name"),
+        **fields,
+        "launches": {str(m): list(launch) for m, launch in sorted(buckets.items())},
+    }
 
 
 def _check_operands(
@@ -329,7 +369,7 @@ def matmul(
     shape = MatmulShape(
         device_name(device), num_n, num_k, _dtype_name(x.dtype), _dtype_name(weight.dtype)
     )
-    cfg = choose_matmul_launch(num_n, num_k, x.dtype, shape=shape, **launch)
+    cfg = choose_matmul_launch(num_n, num_k, x.dtype, num_m=num_m, shape=shape, **launch)
     y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
     if num_m == 0 or num_n == 0:
         return y

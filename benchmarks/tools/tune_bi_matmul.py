@@ -23,8 +23,11 @@ measurement, then per shape the launch with the least W1 cost:
 steps of 256 rows).
 
 `--table-out` writes the launch table `matmul` reads (`kernels/configs/matmul.json`): per
-shape, the invariant launch whose worse ratio to cuBLAS, over a W1 run and at one row, is
-least (the batch-invariant mode's targets bound both).
+shape, one launch per row count (1, 256, 16,384), the fastest at that count among those
+of one `block_k`, the `block_k` whose worse ratio to cuBLAS, over a W1 run and at one row,
+is least (the batch-invariant mode's targets bound both). The chosen launches' rows are
+compared before the entry is written; if their bits differed, the entry would hold the
+one launch with the least worse ratio instead.
 
     python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl --table-out $OUT/matmul.json
     TRITON_INTERPRET=1 python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny, on a CPU
@@ -88,6 +91,12 @@ CANDIDATES = [
     (64, 32, 64, 4, 4),
     (64, 16, 128, 4, 4),
     (16, 32, 64, 4, 4),
+    (64, 16, 64, 4, 4),
+    (16, 16, 64, 4, 4),
+    (64, 32, 128, 4, 4),
+    (128, 128, 128, 8, 3),
+    (128, 256, 128, 8, 2),
+    (128, 64, 128, 4, 3),
 ]
 SMOKE_SHAPES = {"tiny": (48, 64)}
 SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}
@@ -156,7 +165,40 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
             same = torch.equal(results[a]["out"], results[b]["out"])
             differ = [n for n, x, y in zip(names, a, b, strict=True) if x != y]
             emit(dict(shape=name, same_bits=same, differ=differ, launches=[list(a), list(b)]))
-    return results
+    return results, cublas
+
+
+def choose_buckets(name, rows, invariant, results, cublas, emit) -> dict[int, MatmulLaunch]:
+    """One launch per row count, all with the `block_k` whose worse ratio to cuBLAS (over
+    a W1 run, or at one row) is least, once their rows are checked to have the same bits;
+    if they do not, the single launch with the least worse ratio, for every row count."""
+    by_step: dict[int, dict[str, dict]] = {}
+    for record in invariant:
+        per_label = by_step.setdefault(record["launch"][2], {})
+        for label in rows:
+            if label not in per_label or record[f"{label}_us"] < per_label[label][f"{label}_us"]:
+                per_label[label] = record
+
+    def worst(per_label: dict[str, dict]) -> float:
+        w1 = sum(per_label[label][f"{label}_us"] * c for label, c in W1_WEIGHTS.items())
+        return max(w1 / cublas["w1"], per_label["bs1"]["bs1_us"] / cublas["bs1"])
+
+    step, per_label = min(by_step.items(), key=lambda item: worst(item[1]))
+    chosen = {label: tuple(record["launch"]) for label, record in per_label.items()}
+    outs = [results[launch]["out"] for launch in set(chosen.values())]
+    same = all(torch.equal(out, outs[0]) for out in outs[1:])
+    if same:
+        buckets = {}
+        for label in ("bs1", "decode", "prefill"):  # a later label of equal rows gives way
+            buckets.setdefault(rows[label], MatmulLaunch(*chosen[label]))
+        ratio = worst(per_label)
+    else:
+        single = min(invariant, key=lambda r: r["worst_ratio"])
+        buckets = {1: MatmulLaunch(*single["launch"])}
+        ratio = single["worst_ratio"]
+    emit(dict(shape=name, block_k=step, same_bits=same, worst_ratio=round(ratio, 3),
+              buckets={m: list(launch) for m, launch in buckets.items()}))  # fmt: skip
+    return buckets
 
 
 def main() -> int:
@@ -189,19 +231,19 @@ def main() -> int:
     entries = []
     for name, (n, k) in shapes.items():
         shape_rows = HEAD_ROWS if name.endswith("lm_head") else rows
-        results = sweep_shape(name, n, k, shape_rows, candidates, args, emit)
+        results, cublas = sweep_shape(name, n, k, shape_rows, candidates, args, emit)
         timed = [r["record"] for r in results.values() if "w1_us" in r["record"]]
         invariant = [r for r in timed if r["invariant"]]
-        if invariant:
-            best = min(invariant, key=lambda r: r["w1_us"])
-            at_one = min(invariant, key=lambda r: r["bs1_us"])
-            chosen = min(invariant, key=lambda r: r["worst_ratio"])
-            emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
-                      best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"],
-                      chosen=chosen["launch"], chosen_worst_ratio=chosen["worst_ratio"]))  # fmt: skip
-            dtype = str(args.dtype).removeprefix("torch.")
-            shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
-            entries.append(table_entry(shape, MatmulLaunch(*chosen["launch"])))
+        if not invariant:
+            continue
+        best = min(invariant, key=lambda r: r["w1_us"])
+        at_one = min(invariant, key=lambda r: r["bs1_us"])
+        emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
+                  best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
+        buckets = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
+        dtype = str(args.dtype).removeprefix("torch.")
+        shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
+        entries.append(table_entry(shape, buckets))
     if args.table_out:
         Path(args.table_out).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
         emit(dict(table_out=args.table_out, entries=len(entries)))

@@ -98,6 +98,28 @@ def test_matmul_rows_do_not_depend_on_the_batch_at_model_shapes(num_n, num_k, dt
     _assert_rows_invariant(matmul, x, w, None)
 
 
+@pytest.mark.gpu
+def test_the_tables_launches_give_a_row_the_same_bits_at_every_row_count(device):
+    """Every entry of the committed table for this GPU: a row's bits alone, in a decode
+    batch and in a prefill chunk, each run on its own bucket's launch."""
+    from batchlm.kernels.launch import device_name
+
+    entries = [
+        (shape, buckets)
+        for shape, buckets in load_matmul_table().items()
+        if shape.device_name == device_name(device) and shape.weight_dtype == shape.dtype
+    ]
+    if not entries:
+        pytest.skip(f"the table has no entry for {device_name(device)}")
+    for shape, buckets in entries:
+        dtype = getattr(torch, shape.dtype)
+        most = max(16384 if shape.n < 100_000 else 512, buckets[-1][0] + 1)
+        x, w, _ = _operands(most, shape.n, shape.k, dtype, device)
+        full = matmul(x, w)
+        for m in sorted({1, 3, 255, *(rows for rows, _ in buckets)}):
+            assert torch.equal(matmul(x[:m], w), full[:m]), f"{shape}: the first {m} rows"
+
+
 def test_the_reference_rows_do_not_depend_on_the_batch():
     """The CPU path of the mode. Plain `F.linear` on CPU does depend on the batch (a row
     alone is summed in another order than inside 64 rows); the chunked reference does
@@ -162,22 +184,28 @@ def _write_table(path, *entries):
     return load_matmul_table(path)
 
 
-def test_launch_table_entry_is_taken_for_its_shape_alone(tmp_path):
+def test_launch_table_picks_the_smallest_bucket_that_holds_the_rows(tmp_path):
     shape = MatmulShape("cpu", 48, 64, "float32", "float32")
-    launch = MatmulLaunch(32, 16, 16, 2, 2)
-    table = _write_table(tmp_path / "t.json", (shape, launch))
-    assert choose_matmul_launch(48, 64, torch.float32, shape=shape, table=table) == launch
+    buckets = {1: MatmulLaunch(16, 16, 16, 1, 1), 8: MatmulLaunch(32, 16, 16, 2, 2)}
+    table = _write_table(tmp_path / "t.json", (shape, buckets))
+    got = [
+        choose_matmul_launch(48, 64, torch.float32, num_m=m, shape=shape, table=table)
+        for m in (1, 2, 8, 9, 10_000)
+    ]
+    assert got == [buckets[m] for m in (1, 8, 8, 8, 8)]
     # Overrides apply over the entry.
     got = choose_matmul_launch(48, 64, torch.float32, shape=shape, table=table, num_warps=4)
-    assert got == launch._replace(num_warps=4)
-    # Another device, size or dtype: the defaults.
+    assert got == buckets[1]._replace(num_warps=4)
+    # Another device, size or dtype: the defaults, the same launch at any number of rows.
     default = choose_matmul_launch(48, 64, torch.float32, table={})
     for other in (
         shape._replace(device_name="NVIDIA H100"),
         shape._replace(n=64),
         shape._replace(weight_dtype="float8_e4m3fn"),
     ):
-        assert choose_matmul_launch(48, 64, torch.float32, shape=other, table=table) == default
+        for m in (1, 10_000):
+            got = choose_matmul_launch(48, 64, torch.float32, num_m=m, shape=other, table=table)
+            assert got == default
     assert load_matmul_table(tmp_path / "t.json") is table  # read once
     assert load_matmul_table(tmp_path / "missing.json") == {}
 
@@ -188,14 +216,15 @@ def test_launch_table_entry_is_taken_for_its_shape_alone(tmp_path):
         (lambda e: e.update(colour="red"), "expected the keys"),
         (lambda e: e.update(n=0), "n=0"),
         (lambda e: e.update(dtype=16), "dtype=16"),
-        (lambda e: e.update(launch=[16, 24, 16, 4, 3]), "block_n=24"),
-        (lambda e: e.update(launch=[16, 16, 16, 4]), "entry 0"),
+        (lambda e: e["launches"].update({"x": [16, 16, 16, 1, 1]}), "bucket 'x'"),
+        (lambda e: e["launches"].update({"1": [16, 24, 16, 4, 3]}), "block_n=24"),
+        (lambda e: e["launches"].update({"1": [16, 16, 16, 4]}), "bucket 1"),
+        (lambda e: e["launches"].update({"64": [64, 16, 32, 4, 3]}), r"block_k \[16, 32\]"),
     ],
 )
 def test_launch_table_is_validated(tmp_path, edit, match):
-    entry = table_entry(
-        MatmulShape("cpu", 8, 8, "float32", "float32"), MatmulLaunch(16, 16, 16, 1, 1)
-    )
+    shape = MatmulShape("cpu", 8, 8, "float32", "float32")
+    entry = table_entry(shape, {1: MatmulLaunch(16, 16, 16, 1, 1)})
     edit(entry)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"entries": [entry]}))
@@ -203,21 +232,25 @@ def test_launch_table_is_validated(tmp_path, edit, match):
         load_matmul_table(path)
 
 
-def test_matmul_runs_the_tables_launch(tmp_path, device, monkeypatch):
-    """`matmul` looks its launch up by device name, sizes and dtypes: its rows equal those
-    of the table's launch passed by hand, and differ from the default's (another K step)."""
+def test_matmul_runs_the_tables_launch_for_its_rows(tmp_path, device, monkeypatch):
+    """`matmul` looks its launch up by device name, sizes, dtypes and rows: each call's
+    rows equal those of its bucket's launch passed by hand, and differ from the default's
+    (another K step); the buckets share a K step, so a row's bits do not change with the
+    number of rows."""
     from batchlm.kernels import matmul as module
     from batchlm.kernels.launch import device_name
 
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 64, generator=gen).to(device)
+    x = torch.randn(40, 64, generator=gen).to(device)
     w = torch.randn(48, 64, generator=gen).to(device)
-    launch = MatmulLaunch(16, 16, 16, 1, 1)
+    buckets = {4: MatmulLaunch(16, 16, 16, 1, 1), 64: MatmulLaunch(32, 32, 16, 2, 2)}
     shape = MatmulShape(device_name(device), 48, 64, "float32", "float32")
-    table = _write_table(tmp_path / "t.json", (shape, launch))
+    table = _write_table(tmp_path / "t.json", (shape, buckets))
     default = matmul(x, w)
     monkeypatch.setattr(module, "load_matmul_table", lambda: table)
-    got = matmul(x, w)
-    assert torch.equal(got, matmul(x, w, **launch._asdict()))
-    assert not torch.equal(got, default), "the two launches give the same bits: no evidence"
-    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
+    few, many = matmul(x[:3], w), matmul(x, w)
+    assert torch.equal(few, matmul(x[:3], w, **buckets[4]._asdict()))
+    assert torch.equal(many, matmul(x, w, **buckets[64]._asdict()))
+    assert torch.equal(few, many[:3])
+    assert not torch.equal(many, default), "the launches give the same bits: no evidence"
+    torch.testing.assert_close(many, F.linear(x, w), atol=1e-4, rtol=1e-4)
