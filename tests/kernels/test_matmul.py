@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from batchlm.kernels.matmul import (
+    DEFAULT_TABLE_PATH,
     REF_ROWS,
     MatmulLaunch,
     MatmulShape,
@@ -208,6 +209,20 @@ def test_launch_table_picks_the_smallest_bucket_that_holds_the_rows(tmp_path):
             assert got == default
     assert load_matmul_table(tmp_path / "t.json") is table  # read once
     assert load_matmul_table(tmp_path / "missing.json") == {}
+
+
+def test_repository_table_covers_w1_w2_w3_on_the_h200():
+    """The committed table loads and holds the layers of W1 / W3 (Llama-3.1-8B) and W2
+    (Qwen2.5-0.5B) in bf16, LM heads included, from one row up."""
+    table = load_matmul_table(DEFAULT_TABLE_PATH)
+    shapes = [
+        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+        (1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896),
+    ]  # fmt: skip
+    for n, k in shapes:
+        buckets = table[MatmulShape("NVIDIA H200", n, k, "bfloat16", "bfloat16")]
+        assert buckets[0][0] == 1, (n, k)
+        assert len({launch.block_k for _, launch in buckets}) == 1, (n, k)
 
 
 @pytest.mark.parametrize(
