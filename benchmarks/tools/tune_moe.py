@@ -63,6 +63,13 @@ _MEDIUM = [
     (32, 128, 128, 4, 3),
     (64, 128, 64, 4, 4),
     (64, 128, 64, 8, 3),
+    # W6's decode steps (2,048 slots, about 16 per expert): the down GEMM read its weights
+    # at 3.2 TB/s against gate|up's 3.9; narrower N and longer K tiles put more bytes in
+    # flight per program.
+    (16, 32, 256, 4, 3),
+    (16, 64, 256, 4, 3),
+    (32, 64, 256, 4, 3),
+    (32, 32, 128, 4, 4),
 ]
 _LARGE = [
     (32, 128, 64, 4, 4),
