@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +49,7 @@ from .launch import (
     device_name,
     dot_dtype,
 )
+from .launch_table import entry_fields, read_buckets, read_entry_shape, read_launch_table
 from .pdl import launch_options, wait_for_previous_kernel
 
 __all__ = [
@@ -166,8 +166,6 @@ class MatmulShape(NamedTuple):
     """The weight's dtype: the activations' or `float8_e4m3fn` / `int8`."""
 
 
-_ENTRY_KEYS = {*MatmulShape._fields, "launches"} - {"device_name"} | {"device"}
-
 MatmulTable = dict[MatmulShape, list[tuple[int, MatmulLaunch]]]
 """Per shape, `(rows, launch)` buckets in ascending order, all with one `block_k`."""
 
@@ -243,64 +241,32 @@ def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> MatmulTable:
     Raises:
         ValueError: the file is not a valid table (the message names the entry).
     """
-    path = Path(path)
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"matmul launch table {path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-        raise ValueError(f'matmul launch table {path} must be an object with an "entries" list')
-    table: MatmulTable = {}
-    for i, entry in enumerate(data["entries"]):
-        where = f"matmul launch table {path}, entry {i}"
-        shape, buckets = _read_entry(entry, where)
-        if shape in table:
-            raise ValueError(f"{where}: a second entry for {shape}")
-        table[shape] = buckets
-    return table
+    return read_launch_table(path, "matmul", _read_entry)
 
 
-def _read_entry(entry: object, where: str) -> tuple[MatmulShape, list[tuple[int, MatmulLaunch]]]:
-    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
-        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ValueError(f"{where}: expected the keys {sorted(_ENTRY_KEYS)}, got {got}")
-    shape = MatmulShape(
-        entry["device"], entry["n"], entry["k"], entry["dtype"], entry["weight_dtype"]
-    )
-    for name, value in shape._asdict().items():
-        want = int if name in ("n", "k") else str
-        if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 1):
-            raise ValueError(f"{where}: {name}={value!r} must be a {want.__name__} (> 0)")
-    launches = entry["launches"]
-    if not isinstance(launches, dict) or not launches:
-        raise ValueError(f'{where}: "launches" must map row counts to launches')
-    buckets = []
-    for key, launch in launches.items():
-        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
-            raise ValueError(f"{where}: bucket {key!r} must be a positive integer")
-        try:
-            buckets.append((int(key), _check_launch(MatmulLaunch(*launch))))
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"{where}, bucket {key}: {e} (a launch is {list(MatmulLaunch._fields)})"
-            ) from e
+def _read_entry(entry: Any, where: str) -> tuple[MatmulShape, list[tuple[int, MatmulLaunch]]]:
+    shape = read_entry_shape(entry, MatmulShape, where)
+    buckets = read_buckets(entry["launches"], where, "row counts", _read_launch)
     steps = sorted({launch.block_k for _, launch in buckets})
     if len(steps) > 1:
         raise ValueError(
             f"{where}: buckets with block_k {steps}; a row's sum order follows block_k, so "
             "one entry keeps one (else a row's bits would depend on its batch)"
         )
-    return shape, sorted(buckets)
+    return shape, buckets
+
+
+def _read_launch(launch: Any) -> MatmulLaunch:
+    try:
+        return _check_launch(MatmulLaunch(*launch))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (a launch is {list(MatmulLaunch._fields)})") from e
 
 
 def table_entry(shape: MatmulShape, buckets: dict[int, MatmulLaunch]) -> dict[str, object]:
     """One entry of the JSON table (what the tuner writes)."""
-    fields = shape._asdict()
     return {
-        "device": fields.pop("device_name"),
-        **fields,
+        **entry_fields(shape),
         "launches": {str(m): list(launch) for m, launch in sorted(buckets.items())},
     }
 

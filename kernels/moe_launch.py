@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from .launch import check_num_stages, check_power_of_2, device_name, next_power_of_2
+from .launch_table import entry_fields, read_buckets, read_entry_shape, read_launch_table
 
 __all__ = [
     "DEFAULT_TABLE_PATH",
@@ -103,7 +103,6 @@ _DEFAULTS: dict[int | None, MoeLaunch] = {
     None: MoeLaunch(64, 128, 64, 8, 3),  # more tokens
 }
 _LAUNCH_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-_ENTRY_KEYS = {*MoeShape._fields, "launches"} - {"device_name"} | {"device"}
 
 
 def check_launch(launch: MoeLaunch) -> MoeLaunch:
@@ -183,64 +182,28 @@ def load_launch_table(path: Path | str = DEFAULT_TABLE_PATH) -> LaunchTable:
     Raises:
         ValueError: the file is not a valid table (the message names the entry).
     """
-    path = Path(path)
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"MoE launch table {path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-        raise ValueError(f'MoE launch table {path} must be an object with an "entries" list')
-    table: LaunchTable = {}
-    for i, entry in enumerate(data["entries"]):
-        where = f"MoE launch table {path}, entry {i}"
-        shape, buckets = _read_entry(entry, where)
-        if shape in table:
-            raise ValueError(f"{where}: a second entry for {shape}")
-        table[shape] = buckets
-    return table
+    return read_launch_table(path, "MoE", _read_entry)
 
 
 def _read_entry(entry: Any, where: str) -> tuple[MoeShape, list[tuple[int, MoeLaunches]]]:
-    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
-        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ValueError(f"{where}: expected the keys {sorted(_ENTRY_KEYS)}, got {got}")
-    shape = MoeShape(
-        entry["device"],
-        entry["num_experts"],
-        entry["hidden"],
-        entry["inter"],
-        entry["dtype"],
-        entry["weight_dtype"],
-    )
-    for name, value in shape._asdict().items():
-        want = str if name in ("device_name", "dtype", "weight_dtype") else int
-        if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 1):
-            raise ValueError(f"{where}: {name}={value!r} must be a {want.__name__} (> 0)")
-    launches = entry["launches"]
-    if not isinstance(launches, dict) or not launches:
-        raise ValueError(f'{where}: "launches" must map token counts to launches')
-    buckets = []
-    for key, pair in launches.items():
-        if not key.isdigit() or int(key) < 1:
-            raise ValueError(f"{where}: bucket {key!r} must be a positive integer")
-        if not isinstance(pair, dict) or set(pair) != {"gate_up", "down"}:
-            raise ValueError(f'{where}, bucket {key}: expected {{"gate_up": [...], "down": [...]}}')
-        try:
-            both = MoeLaunches(*(MoeLaunch(*pair[gemm]) for gemm in ("gate_up", "down")))
-            buckets.append((int(key), check_launches(both)))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}, bucket {key}: {e} (each launch is {_LAUNCH_FIELDS})") from e
-    return shape, sorted(buckets)
+    shape = read_entry_shape(entry, MoeShape, where)
+    return shape, read_buckets(entry["launches"], where, "token counts", _read_pair)
+
+
+def _read_pair(pair: Any) -> MoeLaunches:
+    if not isinstance(pair, dict) or set(pair) != {"gate_up", "down"}:
+        raise ValueError('expected {"gate_up": [...], "down": [...]}')
+    try:
+        both = MoeLaunches(*(MoeLaunch(*pair[gemm]) for gemm in ("gate_up", "down")))
+        return check_launches(both)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (each launch is {_LAUNCH_FIELDS})") from e
 
 
 def table_entry(shape: MoeShape, buckets: dict[int, MoeLaunches]) -> dict[str, Any]:
     """One entry of the JSON table (what the tuner writes)."""
-    fields = shape._asdict()
     return {
-        "device": fields.pop("device_name"),
-        **fields,
+        **entry_fields(shape),
         "launches": {
             str(n): {"gate_up": list(pair.gate_up), "down": list(pair.down)}
             for n, pair in sorted(buckets.items())
