@@ -48,6 +48,7 @@ from .launch import (
     check_same_device,
     check_tensor,
     dot_dtype,
+    dtype_name,
     next_power_of_2,
 )
 from .moe_launch import (
@@ -65,7 +66,6 @@ __all__ = [
     "FP8_WEIGHT_DTYPE",
     "ExpertGrouping",
     "check_moe_weights",
-    "dtype_name",
     "fused_moe",
     "fused_moe_ref",
     "moe_down",
@@ -499,8 +499,3 @@ def fused_moe(
         **launch_options(_sum_slots_kernel, device),
     )
     return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`bfloat16` for `torch.bfloat16`: how the launch table names dtypes."""
-    return str(dtype).removeprefix("torch.")

@@ -106,6 +106,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for `torch.bfloat16`: how launch tables name dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

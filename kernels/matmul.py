@@ -48,6 +48,7 @@ from .launch import (
     check_tensor,
     device_name,
     dot_dtype,
+    dtype_name,
 )
 from .launch_table import entry_fields, read_buckets, read_entry_shape, read_launch_table
 from .pdl import launch_options, wait_for_previous_kernel
@@ -333,7 +334,7 @@ def matmul(
     num_m, num_k = x.shape
     num_n = weight.shape[0]
     shape = MatmulShape(
-        device_name(device), num_n, num_k, _dtype_name(x.dtype), _dtype_name(weight.dtype)
+        device_name(device), num_n, num_k, dtype_name(x.dtype), dtype_name(weight.dtype)
     )
     cfg = choose_matmul_launch(num_n, num_k, x.dtype, num_m=num_m, shape=shape, **launch)
     y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
@@ -364,10 +365,6 @@ def matmul(
         **launch_options(_matmul_kernel, device),
     )
     return y
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def matmul_ref(

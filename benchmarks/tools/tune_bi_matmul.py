@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Recorder  # noqa: E402
 from tune_decode_attention import graph_ms  # noqa: E402
 
-from batchlm.kernels.launch import device_name  # noqa: E402
+from batchlm.kernels.launch import device_name, dtype_name  # noqa: E402
 from batchlm.kernels.matmul import (  # noqa: E402
     MatmulLaunch,
     MatmulShape,
@@ -246,7 +246,7 @@ def main() -> int:
         emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
                   best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
         buckets = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
-        dtype = str(args.dtype).removeprefix("torch.")
+        dtype = dtype_name(args.dtype)
         shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
         entries.append(table_entry(shape, buckets))
     if args.table_out:

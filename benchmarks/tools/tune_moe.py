@@ -241,7 +241,7 @@ def main() -> int:
         return 0
     import triton
 
-    from batchlm.kernels.fused_moe import dtype_name
+    from batchlm.kernels.launch import dtype_name
     from batchlm.kernels.moe_launch import MoeShape, device_name, table_entry
 
     start = time.perf_counter()
