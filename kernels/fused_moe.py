@@ -128,6 +128,18 @@ def fused_moe_ref(
 
 
 @triton.jit
+def _block_of_program(n, BLOCK_N: tl.constexpr):
+    """`(block of sorted slots, tile of output features)` of this program in a 1-D grid of
+    `num_blocks * cdiv(n, BLOCK_N)` programs, the feature tile varying fastest: the
+    programs that run together share their block's activation rows (read from HBM once,
+    then from L2) and walk one expert's weights before the next's. With the block varying
+    fastest, a prefill-sized call read every activation row once per feature tile."""
+    num_n = tl.cdiv(n, BLOCK_N)
+    pid = tl.program_id(0)
+    return pid // num_n, pid % num_n
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     hidden_ptr,  # [num_tokens, hid]
     w13_ptr,  # [num_experts, 2 * inter, hid], activation dtype or float8_e4m3fn
@@ -155,7 +167,7 @@ def _moe_gate_up_kernel(
     `x = hidden[sorted_slots[r] // TOP_K]` (0 for the padding). fp8 weights are converted
     to `DOT_DTYPE` tile by tile; their scales multiply the float32 accumulators."""
     wait_for_previous_kernel(PDL)
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = _block_of_program(inter, BLOCK_N)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert < 0:
         return
@@ -163,7 +175,7 @@ def _moe_gate_up_kernel(
     slots = tl.load(sorted_slots_ptr + rows)
     valid = slots < num_slots
     tokens = (slots // TOP_K).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = hidden_ptr + tokens[:, None] * stride_hm  # [BLOCK_M, 1]
@@ -223,14 +235,14 @@ def _moe_down_kernel(
     """`out[slot] = act[r] @ w2[e].T` for the sorted rows `r` of one block, rounded to the
     activation dtype (the routing weight is applied by `_sum_slots_kernel`)."""
     wait_for_previous_kernel(PDL)
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = _block_of_program(hid, BLOCK_N)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_slots_ptr + rows)
     valid = slots < num_slots
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hid
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = act_ptr + rows[:, None].to(tl.int64) * stride_am  # [BLOCK_M, 1]
@@ -304,7 +316,7 @@ def moe_gate_up(
     device = hidden.device
     act = torch.empty(grouping.sorted_slots.shape[0], inter, dtype=hidden.dtype, device=device)
     scaled = w13_scale is not None
-    _moe_gate_up_kernel[(grouping.expert_of_block.shape[0], cdiv(inter, launch.block_n))](
+    _moe_gate_up_kernel[(grouping.expert_of_block.shape[0] * cdiv(inter, launch.block_n),)](
         hidden,
         w13,
         w13_scale if scaled else w13,  # not read without scales
@@ -345,7 +357,7 @@ def moe_down(
     hid = w2.shape[1]
     per_slot = torch.empty(grouping.num_slots, hid, dtype=act.dtype, device=act.device)
     scaled = w2_scale is not None
-    _moe_down_kernel[(grouping.expert_of_block.shape[0], cdiv(hid, launch.block_n))](
+    _moe_down_kernel[(grouping.expert_of_block.shape[0] * cdiv(hid, launch.block_n),)](
         act,
         w2,
         w2_scale if scaled else w2,  # not read without scales
