@@ -55,13 +55,17 @@ def read_launch_table(
     return table
 
 
-def read_entry_shape(entry: Any, shape_type: type[Shape], where: str) -> Shape:
+def read_entry_shape(
+    entry: Any, shape_type: type[Shape], where: str, optional: tuple[str, ...] = ()
+) -> Shape:
     """The shape an entry is for: its keys are `shape_type`'s fields (`device` for
-    `device_name`) and `launches`; names are strings, sizes positive integers."""
+    `device_name`), `launches` and any of `optional`; names are strings, sizes positive
+    integers."""
     keys = {*shape_type._fields, "launches"} - {"device_name"} | {"device"}
-    if not isinstance(entry, dict) or set(entry) != keys:
+    if not isinstance(entry, dict) or not keys <= set(entry) <= keys | set(optional):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ValueError(f"{where}: expected the keys {sorted(keys)}, got {got}")
+        also = f" (and optionally {sorted(optional)})" if optional else ""
+        raise ValueError(f"{where}: expected the keys {sorted(keys)}{also}, got {got}")
     shape = shape_type(
         *(entry["device" if name == "device_name" else name] for name in shape_type._fields)
     )

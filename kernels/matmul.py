@@ -15,11 +15,15 @@ quantized).
 
 Launches come from a table kept in the repository (`kernels/configs/matmul.json`, written
 by `benchmarks/tools/tune_bi_matmul.py` on the device it names), keyed by the device's
-name, `N`, `K` and the dtypes, with one launch per bucket of rows. All of an entry's
-launches share one `BLOCK_K`; the other sizes (tile rows and columns, warps, stages, and
-with them Triton's choice between Hopper's `wgmma` and `mma`) gave every row the same bits
-in every pair the tuner compared on the H200, and the tuner writes an entry only after
-comparing the launches it chose. Shapes the table does not cover take the defaults: one
+name, `N`, `K` and the dtypes, with one launch per bucket of rows. The tile rows and
+columns, warps, stages (and with them Triton's choice between Hopper's `wgmma` and `mma`)
+gave every row the same bits in every pair the tuner compared on the H200, and the tuner
+writes an entry only after comparing the launches it chose. An entry's launches share one
+`BLOCK_K` unless it says `"same_bits_across_block_k": true`: both instructions chain
+16-wide K steps into the float32 accumulator in order, so on the GPU the K tile need not
+change a row's sum either, but that is a property of the device (under the interpreter it
+does change it), so the tuner writes the key only where it compared launches of different
+`BLOCK_K` and found equal bits. Shapes the table does not cover take the defaults: one
 launch whatever the rows, so that nothing unmeasured is assumed.
 
 `matmul_ref` is the plain PyTorch product, made batch-invariant on its own: it multiplies
@@ -58,6 +62,7 @@ __all__ = [
     "REF_ROWS",
     "MatmulLaunch",
     "MatmulShape",
+    "MIXED_BLOCK_K",
     "MatmulTable",
     "choose_matmul_launch",
     "load_matmul_table",
@@ -168,7 +173,12 @@ class MatmulShape(NamedTuple):
 
 
 MatmulTable = dict[MatmulShape, list[tuple[int, MatmulLaunch]]]
-"""Per shape, `(rows, launch)` buckets in ascending order, all with one `block_k`."""
+"""Per shape, `(rows, launch)` buckets in ascending order, all with one `block_k` unless
+the entry said `MIXED_BLOCK_K`."""
+
+MIXED_BLOCK_K = "same_bits_across_block_k"
+"""The entry key with which the tuner says it compared launches of different `block_k` on
+the entry's device and found every row's bits equal."""
 
 
 def choose_matmul_launch(
@@ -190,9 +200,10 @@ def choose_matmul_launch(
 
     With a table entry for `shape` (`table` None: `load_matmul_table()`, the
     repository's), the entry's smallest bucket of at least `num_m` rows (its largest
-    beyond the last). Every bucket of an entry has the same `block_k`, and the tuner
-    wrote the entry only after checking on its device that the buckets' launches give
-    every row the same bits; so the tile may follow the rows while a row's sum does not.
+    beyond the last). The tuner wrote the entry only after checking on its device that
+    the buckets' launches give every row the same bits (and they share one `block_k`
+    unless it found that equal across `block_k` too); so the tile may follow the rows
+    while a row's sum does not.
     Without one, the defaults: one launch whatever the rows. Each None override takes the
     chosen value; the rest are validated (`ValueError` naming the value)."""
     if table is None:
@@ -237,7 +248,8 @@ def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> MatmulTable:
                                    "16384": [128, 128, 64, 8, 4]}}, ...]}
 
     with each launch `[block_m, block_n, block_k, num_warps, num_stages]`, keyed by the
-    most rows it is for, all of one entry with the same `block_k`.
+    most rows it is for, all of one entry with the same `block_k` unless the entry also
+    holds `"same_bits_across_block_k": true` (`MIXED_BLOCK_K`).
 
     Raises:
         ValueError: the file is not a valid table (the message names the entry).
@@ -246,15 +258,23 @@ def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> MatmulTable:
 
 
 def _read_entry(entry: Any, where: str) -> tuple[MatmulShape, list[tuple[int, MatmulLaunch]]]:
-    shape = read_entry_shape(entry, MatmulShape, where)
+    shape = read_entry_shape(entry, MatmulShape, where, optional=(MIXED_BLOCK_K,))
     buckets = read_buckets(entry["launches"], where, "row counts", _read_launch)
-    steps = sorted({launch.block_k for _, launch in buckets})
-    if len(steps) > 1:
-        raise ValueError(
-            f"{where}: buckets with block_k {steps}; a row's sum order follows block_k, so "
-            "one entry keeps one (else a row's bits would depend on its batch)"
-        )
+    checked = entry.get(MIXED_BLOCK_K, False)
+    if not isinstance(checked, bool):
+        raise ValueError(f"{where}: {MIXED_BLOCK_K}={checked!r} must be true or false")
+    _check_block_k(buckets, checked, where)
     return shape, buckets
+
+
+def _check_block_k(buckets: list[tuple[int, MatmulLaunch]], checked: bool, where: str) -> None:
+    steps = sorted({launch.block_k for _, launch in buckets})
+    if len(steps) > 1 and not checked:
+        raise ValueError(
+            f"{where}: buckets with block_k {steps}; a row's sum order may follow block_k, "
+            f"so an entry keeps one unless its tuner compared the bits on the device and "
+            f'wrote "{MIXED_BLOCK_K}": true (else a row\'s bits could depend on its batch)'
+        )
 
 
 def _read_launch(launch: Any) -> MatmulLaunch:
@@ -264,12 +284,20 @@ def _read_launch(launch: Any) -> MatmulLaunch:
         raise ValueError(f"{e} (a launch is {list(MatmulLaunch._fields)})") from e
 
 
-def table_entry(shape: MatmulShape, buckets: dict[int, MatmulLaunch]) -> dict[str, object]:
-    """One entry of the JSON table (what the tuner writes)."""
-    return {
+def table_entry(
+    shape: MatmulShape, buckets: dict[int, MatmulLaunch], *, same_bits_across_block_k: bool = False
+) -> dict[str, object]:
+    """One entry of the JSON table (what the tuner writes). `same_bits_across_block_k`:
+    the caller compared the buckets' launches on the device and their rows' bits were
+    equal although their `block_k` differ (`ValueError` for mixed `block_k` without it)."""
+    _check_block_k(sorted(buckets.items()), same_bits_across_block_k, f"entry for {shape}")
+    entry: dict[str, object] = {
         **entry_fields(shape),
         "launches": {str(m): list(launch) for m, launch in sorted(buckets.items())},
     }
+    if len({launch.block_k for launch in buckets.values()}) > 1:
+        entry[MIXED_BLOCK_K] = True
+    return entry
 
 
 def _check_operands(

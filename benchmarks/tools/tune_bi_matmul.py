@@ -23,11 +23,14 @@ measurement, then per shape the launch with the least W1 cost:
 steps of 256 rows).
 
 `--table-out` writes the launch table `matmul` reads (`kernels/configs/matmul.json`): per
-shape, one launch per row count (1, 256, 16,384), the fastest at that count among those
-of one `block_k`, the `block_k` whose worse ratio to cuBLAS, over a W1 run and at one row,
-is least (the batch-invariant mode's targets bound both). The chosen launches' rows are
-compared before the entry is written; if their bits differed, the entry would hold the
-one launch with the least worse ratio instead.
+shape, one launch per row count (1, 256, 16,384). Where every pair of launches compared
+on the shape gave the same bits, `block_k` included, each row count takes its fastest
+launch whatever its `block_k` (the entry then says `"same_bits_across_block_k": true`);
+otherwise the fastest at each count among those of one `block_k`, the `block_k` whose
+worse ratio to cuBLAS, over a W1 run and at one row, is least (the batch-invariant mode's
+targets bound both). The chosen launches' rows are compared before the entry is written;
+if their bits differed, the entry would hold the one launch with the least worse ratio
+instead.
 
     python3 benchmarks/tools/tune_bi_matmul.py --out $OUT/bi_matmul.jsonl --table-out $OUT/matmul.json
     TRITON_INTERPRET=1 python3 benchmarks/tools/tune_bi_matmul.py --smoke   # tiny, on a CPU
@@ -103,6 +106,14 @@ CANDIDATES = [
     (64, 16, 256, 4, 3),
     (16, 32, 256, 4, 3),
     (64, 64, 256, 4, 3),
+    # One row: long K tiles and deep pipelines put more of the weight in flight per
+    # program (usable where the bits are equal across block_k).
+    (16, 16, 256, 4, 4),
+    (16, 32, 256, 4, 4),
+    (16, 64, 256, 4, 3),
+    (64, 16, 256, 4, 4),
+    (64, 32, 256, 4, 3),
+    (16, 32, 128, 4, 6),
 ]
 SMOKE_SHAPES = {"tiny": (48, 64)}
 SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}
@@ -173,13 +184,17 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
     return results, cublas
 
 
-def choose_buckets(name, rows, invariant, results, cublas, emit) -> dict[int, MatmulLaunch]:
-    """One launch per row count, all with the `block_k` whose worse ratio to cuBLAS (over
-    a W1 run, or at one row) is least, once their rows are checked to have the same bits;
-    if they do not, the single launch with the least worse ratio, for every row count."""
-    by_step: dict[int, dict[str, dict]] = {}
+def choose_buckets(name, rows, invariant, results, cublas, emit) -> tuple[dict, bool]:
+    """One launch per row count and whether their `block_k` differ: each count's fastest
+    whatever its `block_k` if every pair compared on the shape had the same bits, else
+    all with the `block_k` whose worse ratio to cuBLAS (over a W1 run, or at one row) is
+    least; used once their rows are checked to have the same bits. If they do not, the
+    single launch with the least worse ratio, for every row count."""
+    outs = [r["out"] for r in results.values()]
+    across = all(torch.equal(out, outs[0]) for out in outs[1:])
+    by_step: dict[int | str, dict[str, dict]] = {}
     for record in invariant:
-        per_label = by_step.setdefault(record["launch"][2], {})
+        per_label = by_step.setdefault("any" if across else record["launch"][2], {})
         for label in rows:
             if label not in per_label or record[f"{label}_us"] < per_label[label][f"{label}_us"]:
                 per_label[label] = record
@@ -201,9 +216,11 @@ def choose_buckets(name, rows, invariant, results, cublas, emit) -> dict[int, Ma
         single = min(invariant, key=lambda r: r["worst_ratio"])
         buckets = {1: MatmulLaunch(*single["launch"])}
         ratio = single["worst_ratio"]
-    emit(dict(shape=name, block_k=step, same_bits=same, worst_ratio=round(ratio, 3),
+    mixed = len({launch.block_k for launch in buckets.values()}) > 1
+    emit(dict(shape=name, block_k=step, same_bits_across_block_k=across, same_bits=same,
+              worst_ratio=round(ratio, 3),
               buckets={m: list(launch) for m, launch in buckets.items()}))  # fmt: skip
-    return buckets
+    return buckets, mixed
 
 
 def main() -> int:
@@ -245,10 +262,10 @@ def main() -> int:
         at_one = min(invariant, key=lambda r: r["bs1_us"])
         emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
                   best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
-        buckets = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
+        buckets, mixed = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
         dtype = dtype_name(args.dtype)
         shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
-        entries.append(table_entry(shape, buckets))
+        entries.append(table_entry(shape, buckets, same_bits_across_block_k=mixed))
     if args.table_out:
         Path(args.table_out).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
         emit(dict(table_out=args.table_out, entries=len(entries)))

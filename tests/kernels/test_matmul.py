@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from batchlm.kernels.matmul import (
     DEFAULT_TABLE_PATH,
+    MIXED_BLOCK_K,
     REF_ROWS,
     MatmulLaunch,
     MatmulShape,
@@ -219,10 +220,12 @@ def test_repository_table_covers_w1_w2_w3_on_the_h200():
         (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
         (1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896),
     ]  # fmt: skip
+    raw = {(e["n"], e["k"]): e for e in json.loads(DEFAULT_TABLE_PATH.read_text())["entries"]}
     for n, k in shapes:
         buckets = table[MatmulShape("NVIDIA H200", n, k, "bfloat16", "bfloat16")]
         assert buckets[0][0] == 1, (n, k)
-        assert len({launch.block_k for _, launch in buckets}) == 1, (n, k)
+        mixed = len({launch.block_k for _, launch in buckets}) > 1
+        assert raw[n, k].get(MIXED_BLOCK_K, False) is mixed, (n, k)
 
 
 @pytest.mark.parametrize(
@@ -235,6 +238,7 @@ def test_repository_table_covers_w1_w2_w3_on_the_h200():
         (lambda e: e["launches"].update({"1": [16, 24, 16, 4, 3]}), "block_n=24"),
         (lambda e: e["launches"].update({"1": [16, 16, 16, 4]}), "bucket 1"),
         (lambda e: e["launches"].update({"64": [64, 16, 32, 4, 3]}), r"block_k \[16, 32\]"),
+        (lambda e: e.update({MIXED_BLOCK_K: "yes"}), f"{MIXED_BLOCK_K}='yes'"),
     ],
 )
 def test_launch_table_is_validated(tmp_path, edit, match):
@@ -244,6 +248,33 @@ def test_launch_table_is_validated(tmp_path, edit, match):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"entries": [entry]}))
     with pytest.raises(ValueError, match=match):
+        load_matmul_table(path)
+
+
+def test_mixed_block_k_needs_the_tuners_word(tmp_path, device):
+    """Launches of different `block_k` order a row's sum differently under the interpreter
+    (and on any device until compared there): an entry mixes them only with
+    `MIXED_BLOCK_K`, which `table_entry` writes only when told the bits were compared."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=gen).to(device)
+    w = torch.randn(48, 256, generator=gen).to(device)
+    small, large = MatmulLaunch(16, 16, 16, 1, 1), MatmulLaunch(16, 16, 64, 1, 1)
+    if device.type == "cpu":
+        assert not torch.equal(matmul(x, w, **small._asdict()), matmul(x, w, **large._asdict()))
+    shape = MatmulShape("cpu", 48, 256, "float32", "float32")
+    buckets = {1: small, 64: large}
+    with pytest.raises(ValueError, match=MIXED_BLOCK_K):
+        table_entry(shape, buckets)
+    entry = table_entry(shape, buckets, same_bits_across_block_k=True)
+    assert entry[MIXED_BLOCK_K] is True
+    assert MIXED_BLOCK_K not in table_entry(shape, {1: small, 64: small._replace(block_m=32)})
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"entries": [entry]}))
+    assert load_matmul_table(path)[shape] == sorted(buckets.items())
+    del entry[MIXED_BLOCK_K]
+    path.write_text(json.dumps({"entries": [entry]}))
+    load_matmul_table.cache_clear()
+    with pytest.raises(ValueError, match=r"block_k \[16, 64\]"):
         load_matmul_table(path)
 
 
