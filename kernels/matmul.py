@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import (
     FLOAT_DTYPES,
@@ -84,6 +85,39 @@ _WIDE_N = 8192
 
 
 @triton.jit
+def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`(row tile, column tile)` of program `pid`: consecutive programs walk `GROUP_M` row
+    tiles of one column band (weight tiles stay in L2). The order of programs changes
+    nothing in any tile's arithmetic."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _store_tile(
+    acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The epilogue: `acc` (float32) times the column scales, plus the bias, stored."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
 def _matmul_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K], rows `stride_wn` apart
@@ -105,18 +139,9 @@ def _matmul_kernel(
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program `pid` owns one output tile; consecutive programs walk `GROUP_M` row tiles
-    of one column band (weight tiles stay in L2). The order of programs changes nothing in
-    any tile's arithmetic."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
+    """Program `pid` owns one output tile (`_tile_of_program`) and walks K from 0 in
+    `BLOCK_K` steps; tiles are loaded through pointers, masked at the edges."""
+    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -133,14 +158,46 @@ def _matmul_kernel(
         w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]; masked K columns add exact zeros.
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
+    _store_tile(
+        acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_SCALE, HAS_BIAS
+    )
+
+
+@triton.jit
+def _matmul_tma_kernel(
+    x_desc,  # [M, K] tensor descriptor, [BLOCK_M, BLOCK_K] blocks
+    w_desc,  # [N, K] tensor descriptor, [BLOCK_N, BLOCK_K] blocks
+    scale_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_ym,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_matmul_kernel` with its tiles loaded by the tensor memory accelerator (Hopper's
+    TMA: one bulk copy per tile, no per-element addresses or masks). Out-of-bounds
+    elements load as zeros, as the masks give them: the same tiles reach the same
+    `tl.dot`s in the same order, so each row gets the same bits."""
+    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE).T, acc, input_precision="ieee")
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_tile(
+        acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_SCALE, HAS_BIAS
     )
 
 
@@ -155,6 +212,9 @@ class MatmulLaunch(NamedTuple):
     """Input features per step of the K loop: the unit of every row's reduction order."""
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """Load tiles with the tensor memory accelerator (`_matmul_tma_kernel`, Hopper and
+    later) where the operands allow (16-byte aligned rows); the same bits as without."""
 
 
 class MatmulShape(NamedTuple):
@@ -194,6 +254,7 @@ def choose_matmul_launch(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> MatmulLaunch:
     """The launch `matmul` makes for `num_m` rows times a weight of `num_n` outputs by
     `num_k` inputs whose activations are `dtype`.
@@ -224,6 +285,7 @@ def choose_matmul_launch(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        tma=tma,
     )
     return _check_launch(base._replace(**{k: v for k, v in given.items() if v is not None}))
 
@@ -234,6 +296,8 @@ def _check_launch(launch: MatmulLaunch) -> MatmulLaunch:
     check_power_of_2("block_k", launch.block_k, 16, 256, "input features per K step")
     check_power_of_2("num_warps", launch.num_warps, 1, 16, "warps per program")
     check_num_stages(launch.num_stages)
+    if not isinstance(launch.tma, bool):
+        raise ValueError(f"tma={launch.tma!r} must be true or false")
     return launch
 
 
@@ -247,7 +311,8 @@ def load_matmul_table(path: Path | str = DEFAULT_TABLE_PATH) -> MatmulTable:
                       "launches": {"1": [16, 32, 64, 4, 4], "256": [64, 64, 64, 4, 4],
                                    "16384": [128, 128, 64, 8, 4]}}, ...]}
 
-    with each launch `[block_m, block_n, block_k, num_warps, num_stages]`, keyed by the
+    with each launch `[block_m, block_n, block_k, num_warps, num_stages]` (and optionally
+    `tma`, a boolean, last), keyed by the
     most rows it is for, all of one entry with the same `block_k` unless the entry also
     holds `"same_bits_across_block_k": true` (`MIXED_BLOCK_K`).
 
@@ -345,8 +410,8 @@ def matmul(
             along K. Under PDL it is read after the wait, like any input.
         bias: `[N]` or None, added after the scale.
         weight_scale: `[N]` float32 per-output-channel scales of a quantized weight.
-        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages` overrides of
-            the table's launch (see `choose_matmul_launch`; a row's result depends on
+        **launch: `block_m`, `block_n`, `block_k`, `num_warps`, `num_stages`, `tma`
+            overrides of the table's launch (see `choose_matmul_launch`; a row's result depends on
             `block_k` and the tile shapes, so callers that compare results keep them fixed).
 
     Returns:
@@ -369,17 +434,26 @@ def matmul(
     if num_m == 0 or num_n == 0:
         return y
     grid = (cdiv(num_m, cfg.block_m) * cdiv(num_n, cfg.block_n),)
-    _matmul_kernel[grid](
-        x,
-        weight,
+    if cfg.tma and _tma_loadable(x) and _tma_loadable(weight):
+        kernel = _matmul_tma_kernel
+        operands = (
+            TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
+        )
+        strides = ()
+    else:
+        kernel = _matmul_kernel
+        operands = (x, weight)
+        strides = (x.stride(0), weight.stride(0))
+    kernel[grid](
+        *operands,
         weight_scale if weight_scale is not None else y,
         bias if bias is not None else y,
         y,
         num_m,
         num_n,
         num_k,
-        x.stride(0),
-        weight.stride(0),
+        *strides,
         y.stride(0),
         HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None,
@@ -387,12 +461,19 @@ def matmul(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=8,
-        DOT_DTYPE=dot_dtype(x.dtype, _matmul_kernel),
+        DOT_DTYPE=dot_dtype(x.dtype, kernel),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(_matmul_kernel, device),
+        **launch_options(kernel, device),
     )
     return y
+
+
+def _tma_loadable(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand meets the TMA's layout rules: unit stride along K, the row
+    stride and the start 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def matmul_ref(

@@ -9,8 +9,8 @@ invariant mode (W1-bi at 0.49x the default mode, W3-bi at 1.53x its time per tok
 1. Which one launch per shape costs least over a W1 run (the weighted sum below) and at
    one row, and how far each is from cuBLAS.
 2. Whether the launch may follow the number of rows after all: for each pair of launches,
-   are the rows' bits equal, and which of `block_m`, `block_n`, `block_k`, warps and
-   stages differ between them? Tiles under 64 rows run Triton's `mma` instruction, 64 and
+   are the rows' bits equal, and which of `block_m`, `block_n`, `block_k`, warps,
+   stages and the TMA loads (`tma`, a launch's optional sixth field) differ between them? Tiles under 64 rows run Triton's `mma` instruction, 64 and
    over its `wgmma` on Hopper. On the H200 every pair with the same `block_k` has given
    equal bits (2026-12-02); pairs across `block_k` are compared too, since both
    instructions chain 16-wide K steps into the float32 accumulator in order.
@@ -114,15 +114,34 @@ CANDIDATES = [
     (64, 16, 256, 4, 4),
     (64, 32, 256, 4, 3),
     (16, 32, 128, 4, 6),
+    # Tiles loaded by the TMA (a sixth field, True): the same arithmetic, no per-element
+    # addresses or masks.
+    (128, 128, 64, 8, 4, True),
+    (128, 128, 64, 8, 3, True),
+    (128, 256, 64, 8, 3, True),
+    (128, 128, 128, 8, 3, True),
+    (128, 64, 128, 4, 3, True),
+    (64, 128, 64, 4, 4, True),
+    (64, 64, 64, 4, 4, True),
+    (64, 64, 128, 4, 4, True),
+    (16, 32, 256, 4, 4, True),
+    (16, 16, 128, 2, 5, True),
 ]
 SMOKE_SHAPES = {"tiny": (48, 64)}
 SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}
-SMOKE_CANDIDATES = [(16, 16, 16, 1, 1), (32, 16, 16, 1, 1), (16, 32, 16, 1, 1)]
+SMOKE_CANDIDATES = [
+    (16, 16, 16, 1, 1),
+    (32, 16, 16, 1, 1),
+    (16, 32, 16, 1, 1),
+    (16, 16, 16, 1, 1, True),
+]
 
 
-def launch_of(config: tuple[int, ...]) -> dict[str, int]:
-    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    return dict(zip(names, config, strict=True))
+NAMES = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")
+
+
+def launch_of(config: tuple) -> dict[str, int | bool]:
+    return dict(zip(NAMES, (*config, False)[: len(NAMES)], strict=True))
 
 
 def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
@@ -176,10 +195,10 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
         emit(record)
         results[config] = dict(record=record, out=outs["prefill"])
     # Question 2: every pair of launches; `differ` names what differs between them.
-    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     for a, b in itertools.combinations(results, 2):
         same = torch.equal(results[a]["out"], results[b]["out"])
-        differ = [n for n, x, y in zip(names, a, b, strict=True) if x != y]
+        pair = zip(NAMES, launch_of(a).values(), launch_of(b).values(), strict=True)
+        differ = [n for n, x, y in pair if x != y]
         emit(dict(shape=name, same_bits=same, differ=differ, launches=[list(a), list(b)]))
     return results, cublas
 

@@ -174,8 +174,50 @@ def test_matmul_refuses_what_it_would_misread(device):
         matmul(x, w, weight_scale=torch.ones(8, device=device))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_m", "num_n", "num_k"), [(40, 48, 64), (5, 40, 72), (33, 24, 40)])
+def test_tma_loads_give_the_pointer_loads_bits(num_m, num_n, num_k, dtype, device):
+    """The TMA kernel's tiles (zeros past the edges) reach the same dots as the masked
+    pointer loads': equal bits, partial tiles along M, N and K included, with scale and
+    bias; operands whose rows the TMA cannot address take the pointer kernel."""
+    x, w, b = _operands(num_m, num_n, num_k, dtype, device)
+    pointer = matmul(x, w, b, **SMALL)
+    assert torch.equal(matmul(x, w, b, **SMALL, tma=True), pointer)
+    atol, rtol = TOLERANCE[dtype]
+    expected = _float32_product(x, w, b).float()
+    torch.testing.assert_close(pointer.float(), expected, atol=atol, rtol=rtol)
+    _assert_rows_invariant(lambda *a: matmul(*a, **SMALL, tma=True), x, w, b)
+    # Rows 2 elements apart past the end of each row: not 16-byte aligned.
+    wide = torch.zeros(num_m, num_k + 2, dtype=dtype, device=device)
+    wide[:, :num_k] = x
+    assert torch.equal(matmul(wide[:, :num_k], w, b, **SMALL, tma=True), pointer)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (num_n, num_k), generator=gen, dtype=torch.int8).to(device)
+    scale = (torch.rand(num_n, generator=gen) / 100).to(device)
+    assert torch.equal(
+        matmul(x, q, weight_scale=scale, **SMALL, tma=True),
+        matmul(x, q, weight_scale=scale, **SMALL),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_m", "num_n", "num_k", "launch"),
+    [
+        (300, 4096, 4096, MatmulLaunch(128, 128, 64, 8, 4)),
+        (257, 6144, 4096, MatmulLaunch(64, 64, 128, 4, 4)),
+        (1, 4096, 14336, MatmulLaunch(16, 32, 256, 4, 4)),
+        (40, 896, 4864, MatmulLaunch(128, 256, 64, 8, 3)),
+    ],
+)
+def test_tma_loads_give_the_pointer_loads_bits_at_model_shapes(num_m, num_n, num_k, launch, device):
+    x, w, _ = _operands(num_m, num_n, num_k, torch.bfloat16, device)
+    pointer = matmul(x, w, **launch._asdict())
+    assert torch.equal(matmul(x, w, **launch._replace(tma=True)._asdict()), pointer)
+
+
 def test_launch_depends_on_the_weight_alone():
-    assert choose_matmul_launch(4096, 4096, torch.bfloat16) == (64, 64, 64, 4, 4)
+    assert choose_matmul_launch(4096, 4096, torch.bfloat16) == MatmulLaunch(64, 64, 64, 4, 4)
     assert choose_matmul_launch(151936, 896, torch.bfloat16).block_n == 128
     with pytest.raises(ValueError, match="block_k=48"):
         choose_matmul_launch(64, 64, torch.float16, block_k=48)
@@ -239,6 +281,8 @@ def test_repository_table_covers_w1_w2_w3_on_the_h200():
         (lambda e: e["launches"].update({"1": [16, 16, 16, 4]}), "bucket 1"),
         (lambda e: e["launches"].update({"64": [64, 16, 32, 4, 3]}), r"block_k \[16, 32\]"),
         (lambda e: e.update({MIXED_BLOCK_K: "yes"}), f"{MIXED_BLOCK_K}='yes'"),
+        (lambda e: e["launches"].update({"1": [16, 16, 16, 1, 1, 1]}), "tma=1"),
+        (lambda e: e["launches"].update({"1": [16, 16, 16, 1, 1, True, 0]}), "bucket 1"),
     ],
 )
 def test_launch_table_is_validated(tmp_path, edit, match):
