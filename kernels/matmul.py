@@ -6,7 +6,10 @@ and their split of the reduction dimension from all three sizes, so a row's sum 
 ordered differently at 1, 7 or 300 rows. Here each program owns a `BLOCK_M x BLOCK_N` tile
 of the output and walks K in `BLOCK_K` steps from 0, accumulating `tl.dot` partial
 products in float32, with no split of K. A row's sum is then ordered by `BLOCK_K` alone,
-never by the number of rows.
+never by the number of rows. The tiles are loaded through pointers with masks at the
+edges (`_matmul_kernel`) or, where a launch asks for it and the operands' rows are 16-byte
+aligned, by Hopper's tensor memory accelerator (`_matmul_tma_kernel`), which fills past
+the edges with the same zeros: the same dots in the same order either way.
 
 Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output channel
 (`weight_scale`): the tile is converted to the activation dtype in the kernel and the
