@@ -10,10 +10,10 @@ invariant mode (W1-bi at 0.49x the default mode, W3-bi at 1.53x its time per tok
    one row, and how far each is from cuBLAS.
 2. Whether the launch may follow the number of rows after all: for each pair of launches,
    are the rows' bits equal, and which of `block_m`, `block_n`, `block_k`, warps,
-   stages and the TMA loads (`tma`, a launch's optional sixth field) differ between them? Tiles under 64 rows run Triton's `mma` instruction, 64 and
-   over its `wgmma` on Hopper. On the H200 every pair with the same `block_k` has given
-   equal bits (2026-12-02); pairs across `block_k` are compared too, since both
-   instructions chain 16-wide K steps into the float32 accumulator in order.
+   stages and the TMA loads (`tma`, a launch's optional sixth field) differ between
+   them? Tiles under 64 rows run Triton's `mma` instruction, 64 and over its `wgmma` on
+   Hopper; both chain 16-wide K steps into the float32 accumulator in order. On the H200
+   every pair compared has given equal bits (2026-12-02), across `block_k` and `tma` too.
 
 Each launch is first checked to give every row the same bits at 1, 256 and 16,384 rows
 (`invariant`), and to agree with cuBLAS to bf16 rounding (`max_abs_diff`). Times are CUDA
