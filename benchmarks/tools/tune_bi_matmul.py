@@ -204,11 +204,11 @@ def sweep_shape(name, n, k, rows, candidates, args, emit) -> dict:
 
 
 def choose_buckets(name, rows, invariant, results, cublas, emit) -> tuple[dict, bool]:
-    """One launch per row count and whether their `block_k` differ: each count's fastest
-    whatever its `block_k` if every pair compared on the shape had the same bits, else
-    all with the `block_k` whose worse ratio to cuBLAS (over a W1 run, or at one row) is
-    least; used once their rows are checked to have the same bits. If they do not, the
-    single launch with the least worse ratio, for every row count."""
+    """One launch per row count and whether every pair of launches compared on the shape
+    had the same bits, `block_k` included: if so, each count's fastest whatever its
+    `block_k`, else all with the `block_k` whose worse ratio to cuBLAS (over a W1 run, or
+    at one row) is least; used once their rows are checked to have the same bits. If
+    they do not, the single launch with the least worse ratio, for every row count."""
     outs = [r["out"] for r in results.values()]
     across = all(torch.equal(out, outs[0]) for out in outs[1:])
     by_step: dict[int | str, dict[str, dict]] = {}
@@ -235,11 +235,10 @@ def choose_buckets(name, rows, invariant, results, cublas, emit) -> tuple[dict, 
         single = min(invariant, key=lambda r: r["worst_ratio"])
         buckets = {1: MatmulLaunch(*single["launch"])}
         ratio = single["worst_ratio"]
-    mixed = len({launch.block_k for launch in buckets.values()}) > 1
     emit(dict(shape=name, block_k=step, same_bits_across_block_k=across, same_bits=same,
               worst_ratio=round(ratio, 3),
               buckets={m: list(launch) for m, launch in buckets.items()}))  # fmt: skip
-    return buckets, mixed
+    return buckets, across
 
 
 def main() -> int:
@@ -281,10 +280,10 @@ def main() -> int:
         at_one = min(invariant, key=lambda r: r["bs1_us"])
         emit(dict(shape=name, best_w1=best["launch"], best_w1_us=best["w1_us"],
                   best_bs1=at_one["launch"], best_bs1_us=at_one["bs1_us"]))  # fmt: skip
-        buckets, mixed = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
+        buckets, across = choose_buckets(name, shape_rows, invariant, results, cublas, emit)
         dtype = dtype_name(args.dtype)
         shape = MatmulShape(device_name(torch.device(args.device)), n, k, dtype, dtype)
-        entries.append(table_entry(shape, buckets, same_bits_across_block_k=mixed))
+        entries.append(table_entry(shape, buckets, same_bits_across_block_k=across))
     if args.table_out:
         Path(args.table_out).write_text(json.dumps({"entries": entries}, indent=1) + "\n")
         emit(dict(table_out=args.table_out, entries=len(entries)))
