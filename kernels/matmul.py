@@ -335,7 +335,8 @@ def _read_entry(entry: Any, where: str) -> tuple[MatmulShape, list[tuple[int, Ma
     return shape, buckets
 
 
-def _check_block_k(buckets: list[tuple[int, MatmulLaunch]], checked: bool, where: str) -> None:
+def _check_block_k(buckets: list[tuple[int, MatmulLaunch]], checked: bool, where: str) -> bool:
+    """Whether the buckets mix `block_k` (`ValueError` if they do and `checked` is false)."""
     steps = sorted({launch.block_k for _, launch in buckets})
     if len(steps) > 1 and not checked:
         raise ValueError(
@@ -343,6 +344,7 @@ def _check_block_k(buckets: list[tuple[int, MatmulLaunch]], checked: bool, where
             f"so an entry keeps one unless its tuner compared the bits on the device and "
             f'wrote "{MIXED_BLOCK_K}": true (else a row\'s bits could depend on its batch)'
         )
+    return len(steps) > 1
 
 
 def _read_launch(launch: Any) -> MatmulLaunch:
@@ -358,12 +360,12 @@ def table_entry(
     """One entry of the JSON table (what the tuner writes). `same_bits_across_block_k`:
     the caller compared the buckets' launches on the device and their rows' bits were
     equal although their `block_k` differ (`ValueError` for mixed `block_k` without it)."""
-    _check_block_k(sorted(buckets.items()), same_bits_across_block_k, f"entry for {shape}")
+    mixed = _check_block_k(sorted(buckets.items()), same_bits_across_block_k, f"entry for {shape}")
     entry: dict[str, object] = {
         **entry_fields(shape),
         "launches": {str(m): list(launch) for m, launch in sorted(buckets.items())},
     }
-    if len({launch.block_k for launch in buckets.values()}) > 1:
+    if mixed:
         entry[MIXED_BLOCK_K] = True
     return entry
 
