@@ -126,6 +126,19 @@ CANDIDATES = [
     (64, 64, 128, 4, 4, True),
     (16, 32, 256, 4, 4, True),
     (16, 16, 128, 2, 5, True),
+    # TMA at a decode step's 256 rows: a whole step's rows in one tile (the weight read
+    # once), wider tiles (the activations re-read less), more stages and warps.
+    (256, 128, 64, 8, 3, True),
+    (256, 64, 64, 8, 3, True),
+    (128, 256, 64, 8, 4, True),
+    (64, 256, 64, 8, 3, True),
+    (128, 64, 64, 4, 4, True),
+    (128, 128, 64, 4, 4, True),
+    (128, 128, 64, 8, 5, True),
+    (64, 128, 64, 4, 3, True),
+    (64, 64, 64, 4, 3, True),
+    (128, 64, 128, 4, 4, True),
+    (64, 128, 128, 4, 3, True),
 ]
 SMOKE_SHAPES = {"tiny": (48, 64)}
 SMOKE_ROWS = {"bs1": 1, "decode": 5, "prefill": 40}

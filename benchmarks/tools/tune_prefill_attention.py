@@ -14,7 +14,18 @@ is checked against the default configuration's. Output: one JSON line per config
 (`us`, `tflops` over the causal score and value products actually needed), then per shape
 the best and the default, timed again.
 
+`--batch-invariant` sweeps instead the one launch the batch-invariant mode runs every step
+on (keys split at `FIXED_SPLIT_SIZE`, graphs sized for a `max_model_len` of 8,192): a W1
+prefill chunk (32 fresh prompts of 512 tokens), a W1 decode step (256 sequences at the
+middle context, 640) and a W3 decode step (one sequence, split programs). Each
+configuration is first checked on the device to give the last token of a 640-token
+sequence the same bits as a decode token, as a prefill token, and in split programs
+(`invariant`); configurations are ranked by their W1 cost, `prefill_us * 8 + decode_us *
+255`, and the best few, with today's launch (`batch_invariant_tile`), are timed again with
+W2's shapes (Qwen2.5-0.5B).
+
     python3 benchmarks/tools/tune_prefill_attention.py --out $OUT/tune-prefill.jsonl
+    python3 benchmarks/tools/tune_prefill_attention.py --batch-invariant --out $OUT/bi.jsonl
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ NUM_STAGES = (2, 3, 4)
 class Shape:
     """One prefill launch: `batch` is a list of (query_len, seq_len)."""
 
-    def __init__(self, name, batch, num_heads, num_kv_heads, head_dim, seed) -> None:
+    def __init__(self, name, batch, num_heads, num_kv_heads, head_dim, seed, **fixed) -> None:
         self.name, self.batch, self.head_dim = name, batch, head_dim
+        self.fixed = fixed  # arguments every call takes (the batch-invariant mode's splits)
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         blocks_per_seq = [-(-s // BLOCK_SIZE) for _, s in batch]
         num_blocks = 2 * sum(blocks_per_seq)
@@ -75,7 +87,12 @@ class Shape:
         from batchlm.kernels.prefill_attention import prefill_attention
 
         prefill_attention(
-            *self.inputs, self.head_dim**-0.5, self.max_query_len, out=self.out, **config
+            *self.inputs,
+            self.head_dim**-0.5,
+            self.max_query_len,
+            out=self.out,
+            **self.fixed,
+            **config,
         )
 
 
@@ -125,9 +142,109 @@ def shapes(names: list[str]) -> list[Shape]:
     return [table[n]() for n in names]
 
 
+BI_BLOCK_MS = (16, 32, 64)
+BI_BLOCK_NS = (32, 64)
+BI_NUM_WARPS = (2, 4, 8)
+BI_NUM_STAGES = (1, 2, 3)
+BI_MAX_MODEL_LEN = 8192
+W1_WEIGHTS = {"W1-bi-prefill": 8, "W1-bi-decode": 255}
+BI_RETIMED = 6  # configurations timed again on every shape, W2's included
+
+
+def bi_shapes(num_heads, num_kv_heads, head_dim, prefix, seed) -> dict[str, Shape]:
+    from batchlm.kernels.prefill_attention import FIXED_SPLIT_SIZE
+
+    fixed = dict(fixed_split_size=FIXED_SPLIT_SIZE, max_seq_len=BI_MAX_MODEL_LEN)
+    model = (num_heads, num_kv_heads, head_dim)
+    return {
+        f"{prefix}-prefill": Shape(f"{prefix}-prefill", [(512, 512)] * 32, *model, seed, **fixed),
+        f"{prefix}-decode": Shape(f"{prefix}-decode", [(1, 640)] * 256, *model, seed, **fixed),
+        f"{prefix}-bs1": Shape(f"{prefix}-bs1", [(1, 640)], *model, seed, **fixed),
+    }
+
+
+def bi_invariant(num_heads, num_kv_heads, head_dim, config: dict) -> bool:
+    """Whether the last token of a 640-token sequence gets the same bits as a decode
+    token, inside a prefill of the whole sequence (with a shorter one beside it), and in
+    split programs."""
+    from batchlm.kernels.prefill_attention import FIXED_SPLIT_SIZE, prefill_attention
+
+    shape = Shape("check", [(640, 640), (300, 300)], num_heads, num_kv_heads, head_dim, 7)
+    query, k_cache, v_cache, tables, seq_lens, qsl = shape.inputs
+    scale = head_dim**-0.5
+    split = dict(fixed_split_size=FIXED_SPLIT_SIZE, max_seq_len=BI_MAX_MODEL_LEN, **config)
+    full = prefill_attention(*shape.inputs, scale, 640, split_programs=False, **split)
+    one = torch.tensor([0, 1], dtype=qsl.dtype, device=DEVICE)
+    last = query[639:640]
+    outs = [
+        prefill_attention(
+            last,
+            k_cache,
+            v_cache,
+            tables[:1],
+            seq_lens[:1],
+            one,
+            scale,
+            1,
+            split_programs=programs,
+            **split,
+        )  # fmt: skip
+        for programs in (False, True)
+    ]
+    return all(torch.equal(out, full[639:640]) for out in outs)
+
+
+def sweep_batch_invariant(args, emit) -> None:
+    from batchlm.kernels.prefill_attention import batch_invariant_tile
+
+    llama = bi_shapes(32, 8, 128, "W1-bi", 0)
+    llama["W3-bi-decode"] = llama.pop("W1-bi-bs1")
+    qwen = bi_shapes(14, 2, 64, "W2-bi", 1)
+    today = batch_invariant_tile(DTYPE, 128, 4)
+    today_qwen = batch_invariant_tile(DTYPE, 64, 7)
+    emit(dict(today_llama=today, today_qwen=today_qwen))
+    records = []
+    configs = [
+        dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+        for m, n, w, s in itertools.product(BI_BLOCK_MS, BI_BLOCK_NS, BI_NUM_WARPS, BI_NUM_STAGES)
+    ]
+    if today not in configs:
+        configs.insert(0, dict(today))
+    for config in configs:
+        try:
+            invariant = bi_invariant(32, 8, 128, config)
+        except Exception as exc:  # noqa: BLE001 - a failing config is reported, the sweep goes on
+            emit(dict(config, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+            continue
+        record = dict(config, invariant=invariant)
+        for name, shape in llama.items():
+            timed = measure(shape, config, None, args)
+            record[f"{name}_us"] = timed.get("us")
+        if all(record[f"{name}_us"] for name in llama):
+            record["w1_us"] = round(sum(record[f"{n}_us"] * c for n, c in W1_WEIGHTS.items()), 1)
+            records.append(record)
+        emit(record)
+    ranked = sorted((r for r in records if r["invariant"]), key=lambda r: r["w1_us"])
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    finalists = [{k: r[k] for k in keys} for r in ranked[:BI_RETIMED]]
+    if today not in finalists:
+        finalists.append(dict(today))
+    for config in finalists:
+        record = dict(config, finalist=True, today=config == today)
+        for name, shape in {**llama, **qwen}.items():
+            launch = config
+            if name.startswith("W2") and config == today:
+                launch = today_qwen
+            record[f"{name}_us"] = measure(shape, launch, None, args).get("us")
+        if record["W1-bi-prefill_us"] and record["W1-bi-decode_us"]:
+            record["w1_us"] = round(sum(record[f"{n}_us"] * c for n, c in W1_WEIGHTS.items()), 1)
+        emit(record)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", action="append", choices=["W1", "W5-hit", "W5-off", "W2"])
+    ap.add_argument("--batch-invariant", action="store_true", help="the mode's one launch")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--out", default=None)
@@ -142,8 +259,11 @@ def main() -> int:
 
     emit(dict(device=torch.cuda.get_device_name(), triton=triton.__version__,
               command=" ".join(sys.argv)))  # fmt: skip
-    for shape in shapes(args.shape or ["W1", "W5-hit", "W5-off", "W2"]):
-        emit(sweep(shape, args, emit))
+    if args.batch_invariant:
+        sweep_batch_invariant(args, emit)
+    else:
+        for shape in shapes(args.shape or ["W1", "W5-hit", "W5-off", "W2"]):
+            emit(sweep(shape, args, emit))
     if out:
         out.close()
     return 0
