@@ -7,9 +7,9 @@ ordered differently at 1, 7 or 300 rows. Here each program owns a `BLOCK_M x BLO
 of the output and walks K in `BLOCK_K` steps from 0, accumulating `tl.dot` partial
 products in float32, with no split of K. A row's sum is then ordered by `BLOCK_K` alone,
 never by the number of rows. The tiles are loaded through pointers with masks at the
-edges (`_matmul_kernel`) or, where a launch asks for it and the operands' rows are 16-byte
-aligned, by Hopper's tensor memory accelerator (`_matmul_tma_kernel`), which fills past
-the edges with the same zeros: the same dots in the same order either way.
+edges or, where a launch asks for it and the operands' rows are 16-byte aligned, by
+Hopper's tensor memory accelerator (`_matmul_kernel`'s `TMA`), which fills past the edges
+with the same zeros: the same dots in the same order either way.
 
 Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output channel
 (`weight_scale`): the tile is converted to the activation dtype in the kernel and the
@@ -102,13 +102,62 @@ def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
-def _store_tile(
-    acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """The epilogue: `acc` (float32) times the column scales, plus the bias, stored."""
+def _matmul_kernel(
+    x,  # [M, K]: a pointer, or with TMA a tensor descriptor of [BLOCK_M, BLOCK_K] blocks
+    w,  # [N, K]: a pointer (rows `stride_wn` apart), or with TMA a descriptor of
+    #     [BLOCK_N, BLOCK_K] blocks
+    scale_ptr,  # [N] float32 (read when HAS_SCALE)
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,  # (pointers only)
+    stride_wn,  # (pointers only)
+    stride_ym,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    TMA: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program `pid` owns one output tile (`_tile_of_program`) and walks K from 0 in
+    `BLOCK_K` steps. Tiles are loaded through pointers, masked at the edges, or with TMA
+    by the tensor memory accelerator (Hopper's bulk copy of a whole tile, no per-element
+    addresses or masks), whose out-of-bounds elements load as the masks' zeros: the same
+    tiles reach the same `tl.dot`s in the same order, so each row gets the same bits."""
+    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TMA:
+        wait_for_previous_kernel(PDL)
+        for k0 in range(0, K, BLOCK_K):
+            x_tile = x.load([pid_m * BLOCK_M, k0])
+            w_tile = w.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(x_tile.to(DOT_DTYPE), w_tile.to(DOT_DTYPE).T, acc, input_precision="ieee")
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
+        w_cols = w + offs_n[None, :].to(tl.int64) * stride_wn
+        wait_for_previous_kernel(PDL)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < K
+            x_tile = tl.load(
+                x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            w_tile = tl.load(
+                w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )
+            # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]; masked K columns add exact zeros.
+            acc = tl.dot(x_tile.to(DOT_DTYPE), w_tile.to(DOT_DTYPE), acc, input_precision="ieee")
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -117,90 +166,6 @@ def _store_tile(
         y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-@triton.jit
-def _matmul_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, K], rows `stride_wn` apart
-    scale_ptr,  # [N] float32 (read when HAS_SCALE)
-    bias_ptr,  # [N] (read when HAS_BIAS)
-    y_ptr,  # [M, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program `pid` owns one output tile (`_tile_of_program`) and walks K from 0 in
-    `BLOCK_K` steps; tiles are loaded through pointers, masked at the edges."""
-    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
-    wait_for_previous_kernel(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]; masked K columns add exact zeros.
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
-    _store_tile(
-        acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_SCALE, HAS_BIAS
-    )
-
-
-@triton.jit
-def _matmul_tma_kernel(
-    x_desc,  # [M, K] tensor descriptor, [BLOCK_M, BLOCK_K] blocks
-    w_desc,  # [N, K] tensor descriptor, [BLOCK_N, BLOCK_K] blocks
-    scale_ptr,
-    bias_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_ym,
-    HAS_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_matmul_kernel` with its tiles loaded by the tensor memory accelerator (Hopper's
-    TMA: one bulk copy per tile, no per-element addresses or masks). Out-of-bounds
-    elements load as zeros, as the masks give them: the same tiles reach the same
-    `tl.dot`s in the same order, so each row gets the same bits."""
-    pid_m, pid_n = _tile_of_program(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    wait_for_previous_kernel(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = x_desc.load([pid_m * BLOCK_M, k0])
-        w = w_desc.load([pid_n * BLOCK_N, k0])
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE).T, acc, input_precision="ieee")
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _store_tile(
-        acc, y_ptr, scale_ptr, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_SCALE, HAS_BIAS
     )
 
 
@@ -216,7 +181,7 @@ class MatmulLaunch(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = False
-    """Load tiles with the tensor memory accelerator (`_matmul_tma_kernel`, Hopper and
+    """Load tiles with the tensor memory accelerator (`_matmul_kernel`'s `TMA`, Hopper and
     later) where the operands allow (16-byte aligned rows); the same bits as without."""
 
 
@@ -439,18 +404,14 @@ def matmul(
     if num_m == 0 or num_n == 0:
         return y
     grid = (cdiv(num_m, cfg.block_m) * cdiv(num_n, cfg.block_n),)
-    if cfg.tma and _tma_loadable(x) and _tma_loadable(weight):
-        kernel = _matmul_tma_kernel
+    tma = cfg.tma and _tma_loadable(x) and _tma_loadable(weight)
+    operands = (x, weight)
+    if tma:
         operands = (
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
         )
-        strides = ()
-    else:
-        kernel = _matmul_kernel
-        operands = (x, weight)
-        strides = (x.stride(0), weight.stride(0))
-    kernel[grid](
+    _matmul_kernel[grid](
         *operands,
         weight_scale if weight_scale is not None else y,
         bias if bias is not None else y,
@@ -458,7 +419,8 @@ def matmul(
         num_m,
         num_n,
         num_k,
-        *strides,
+        x.stride(0),
+        weight.stride(0),
         y.stride(0),
         HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None,
@@ -466,10 +428,11 @@ def matmul(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=8,
-        DOT_DTYPE=dot_dtype(x.dtype, kernel),
+        DOT_DTYPE=dot_dtype(x.dtype, _matmul_kernel),
+        TMA=tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(kernel, device),
+        **launch_options(_matmul_kernel, device),
     )
     return y
 
