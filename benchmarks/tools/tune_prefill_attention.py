@@ -151,6 +151,11 @@ W1_WEIGHTS = {"W1-bi-prefill": 8, "W1-bi-decode": 255}
 BI_RETIMED = 6  # configurations timed again on every shape, W2's included
 
 
+def w1_cost(record: dict) -> float:
+    """Microseconds of a W1 run: 8 prefill chunks and 255 decode steps."""
+    return round(sum(record[f"{name}_us"] * count for name, count in W1_WEIGHTS.items()), 1)
+
+
 def bi_shapes(num_heads, num_kv_heads, head_dim, prefix, seed) -> dict[str, Shape]:
     from batchlm.kernels.prefill_attention import FIXED_SPLIT_SIZE
 
@@ -188,7 +193,7 @@ def bi_invariant(num_heads, num_kv_heads, head_dim, config: dict) -> bool:
             1,
             split_programs=programs,
             **split,
-        )  # fmt: skip
+        )
         for programs in (False, True)
     ]
     return all(torch.equal(out, full[639:640]) for out in outs)
@@ -221,7 +226,7 @@ def sweep_batch_invariant(args, emit) -> None:
             timed = measure(shape, config, None, args)
             record[f"{name}_us"] = timed.get("us")
         if all(record[f"{name}_us"] for name in llama):
-            record["w1_us"] = round(sum(record[f"{n}_us"] * c for n, c in W1_WEIGHTS.items()), 1)
+            record["w1_us"] = w1_cost(record)
             records.append(record)
         emit(record)
     ranked = sorted((r for r in records if r["invariant"]), key=lambda r: r["w1_us"])
@@ -237,7 +242,7 @@ def sweep_batch_invariant(args, emit) -> None:
                 launch = today_qwen
             record[f"{name}_us"] = measure(shape, launch, None, args).get("us")
         if record["W1-bi-prefill_us"] and record["W1-bi-decode_us"]:
-            record["w1_us"] = round(sum(record[f"{n}_us"] * c for n, c in W1_WEIGHTS.items()), 1)
+            record["w1_us"] = w1_cost(record)
         emit(record)
 
 
