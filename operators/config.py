@@ -127,10 +127,16 @@ class OperatorConfig:
         return LLM(self.model, **self.engine_kwargs)
 
     def model_info(self) -> ModelInfo:
-        """Reads the model's config (no weights) for the declared output schema."""
+        """Reads the model's config (no weights) for the declared output schema; a model on
+        a store is read from a copy of its files without the weights (the engines fetch
+        the whole folder where they run)."""
         from batchlm.engine.engine_args import EngineArgs
+        from batchlm.engine.loader.remote import download_model, is_remote
 
-        args = EngineArgs.from_kwargs(self.model, **self.engine_kwargs)
+        model = self.model
+        if is_remote(model):
+            model = str(download_model(model, config_only=True, progress=False))
+        args = EngineArgs.from_kwargs(model, **self.engine_kwargs)
         return ModelInfo.from_hf_config(args.create_engine_config().model.hf_config)
 
 

@@ -55,9 +55,7 @@ def test_store_folder_loads_with_the_local_tokens(s3, tiny_model_factory):
 
     llm = LLM(uri + "/", max_model_len=64)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [
-        o.outputs[0].token_ids for o in reference
-    ]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in reference]
     llm.shutdown()
 
