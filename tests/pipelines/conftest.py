@@ -167,3 +167,32 @@ def s3(s3_endpoint: str, monkeypatch) -> S3Store:
     for key, value in store.env.items():
         monkeypatch.setenv(key, value)
     return store
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    """A seeded random 1-layer BERT (hidden 16) with MiniLM's tokenizer: an embedding
+    model that makes 100,000 short texts a matter of seconds."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from batchlm.engine.loader import resolve_model
+
+    minilm = resolve_model(MINILM)
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(1234)
+    out = tmp_path_factory.mktemp("tiny-bert") / "bert"
+    transformers.BertModel(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (minilm / name).exists():
+            shutil.copy(minilm / name, out / name)
+    return out
