@@ -330,3 +330,16 @@ def test_memory_does_not_grow_with_the_file(tmp_path, tiny_bert):
     assert ids == [f"r{i}" for i in range(100_000)]
     # The output of 90,000 more lines alone is ~100 MB of Python objects: holding it would show.
     assert peak_large - peak_small < 32 * 1024, (peak_small, peak_large)
+
+
+def test_the_demo_batch_file_parses():
+    from batchlm.pipelines.openai_requests import parse_line
+
+    path = Path(__file__).resolve().parents[2] / "conf" / "data" / "batch_requests.jsonl"
+    lines = path.read_text().splitlines()
+    parsed = [
+        parse_line(text, i + 1, {}, ("HuggingFaceTB/SmolLM2-135M-Instruct",))
+        for i, text in enumerate(lines)
+    ]
+    assert len(parsed) >= 8 and all(p.error is None for p in parsed), [p.error for p in parsed]
+    assert {p.kind for p in parsed} == {"chat", "completion"}
