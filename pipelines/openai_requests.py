@@ -10,12 +10,9 @@ whose `request` holds what the engine needs:
 - `/v1/score` (any URL ending in `/score`) and `/v1/rerank` (`/rerank`) → `ScoreRequest`:
   the pairs to score (1↔1, 1↔N, N↔N; rerank: the query against each document).
 
-Body fields follow vLLM's OpenAI protocol. A field that would change the result but that
-batchlm does not act on is refused with the line's error, never ignored; fields with no
-effect on an offline batch (`user`, `metadata`, `store`, ...) are accepted; an unknown
-field is refused with the valid ones listed. Sampling fields a body omits take the model's
-generation-config defaults, as vLLM's server does (completions: `max_tokens` 16; chat: up to
-the model's length).
+Body fields follow vLLM's OpenAI protocol (`openai_fields.py` says which act, which are
+accepted without effect, which are refused); an unknown field is refused with the valid
+ones listed.
 
 Example:
     >>> line = parse_line('{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
@@ -26,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +33,17 @@ from batchlm.engine.pooling_params import PoolingParams
 from batchlm.engine.sampling_params import SamplingParams
 from batchlm.operators.row_params import unknown_keys
 
+from .openai_fields import (
+    SAMPLING_FIELDS,
+    BatchLineError,
+    check_fields,
+    max_tokens,
+    pooling_params,
+    prompts,
+    sampling_params,
+    texts,
+)
+
 CHAT, COMPLETION, EMBEDDING, SCORE, RERANK = "chat", "completion", "embedding", "score", "rerank"
 GENERATION_KINDS = (CHAT, COMPLETION)
 URLS = {
@@ -46,80 +53,6 @@ URLS = {
 }
 """Exact URLs; besides, a URL ending in `/score` is a score request and one ending in
 `/rerank` a rerank request (as vLLM matches them)."""
-
-_SAMPLING_FIELDS = (
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "allowed_token_ids",
-    "bad_words",
-    "prompt_logprobs",
-    "truncate_prompt_tokens",
-)
-"""Body fields passed to `SamplingParams` under the same name (null: the default)."""
-_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-"""Fields a body may omit that take the model's generation config's value (vLLM's
-`default_sampling_params`)."""
-_NO_EFFECT = (
-    "model",
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "request_id",
-    "parallel_tool_calls",
-    "stream_options",
-    "length_penalty",
-)
-"""Fields accepted and not acted on: they do not change an offline batch's results
-(`model` is checked against the served names)."""
-_REFUSED = {
-    "use_beam_search": False,
-    "logprob_token_ids": None,
-    "return_tokens_as_token_ids": False,
-    "cache_salt": None,
-    "kv_transfer_params": None,
-    "ec_transfer_params": None,
-    "vllm_xargs": None,
-    "mm_processor_kwargs": None,
-    "media_io_kwargs": None,
-    "prompt_embeds": None,
-    "suffix": None,
-    "reasoning_effort": None,
-    "thinking_token_budget": None,
-    "repetition_detection": None,
-    "documents": None,
-    "priority": 0,
-    "add_special_tokens": None,
-    "truncation_side": None,
-    "embed_dtype": None,
-    "endianness": None,
-}
-"""Fields batchlm does not act on, with the only value it accepts for each (their
-default): any other value is the line's error, since ignoring it would change the result."""
-
-
-class BatchLineError(ValueError):
-    """A line that cannot run; its output line carries the message (HTTP 400 unless
-    `status_code` says otherwise)."""
-
-    def __init__(self, message: str, param: str | None = None, status_code: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status_code = status_code
 
 
 @dataclass
@@ -262,91 +195,6 @@ def _check_model(body: dict[str, Any], served_names: Sequence[str]) -> None:
         )
 
 
-@functools.cache
-def _valid_fields(own: tuple[str, ...]) -> frozenset[str]:
-    return frozenset((*own, *_NO_EFFECT, *_REFUSED, "stream"))
-
-
-def _check_fields(body: dict[str, Any], own: tuple[str, ...]) -> None:
-    """Unknown fields, and refused fields set to anything but their default, are errors."""
-    valid = _valid_fields(own)
-    unknown = [k for k in body if k not in valid]
-    if unknown:
-        raise BatchLineError(f"body has unknown field(s) {unknown_keys(unknown, own)}")
-    for name in _REFUSED.keys() & body.keys():
-        accepted = _REFUSED[name]
-        if name in own:
-            continue
-        if body[name] != accepted and body[name] is not None:
-            raise BatchLineError(
-                f"body.{name}={body[name]!r} is not supported by batchlm; drop it", param=name
-            )
-    if body.get("stream"):
-        raise BatchLineError("stream=true has no meaning in a batch file; drop it", "stream")
-
-
-def _sampling(body: dict[str, Any], defaults: Mapping[str, Any], extra: dict[str, Any]) -> Any:
-    values: dict[str, Any] = {}
-    for name in _MODEL_DEFAULTS:
-        if body.get(name) is None and name in defaults:
-            values[name] = defaults[name]
-    for name in _SAMPLING_FIELDS:
-        if body.get(name) is not None:
-            values[name] = body[name]
-    bias = body.get("logit_bias")
-    if bias:
-        if not isinstance(bias, dict):
-            raise BatchLineError("logit_bias must map token ids to biases", "logit_bias")
-        try:
-            values["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-        except (TypeError, ValueError):
-            raise BatchLineError(
-                f"logit_bias keys must be token ids, got {list(bias)[:3]}", "logit_bias"
-            ) from None
-    structured = _structured_outputs(body)
-    if structured is not None:
-        values["structured_outputs"] = structured
-    values.update(extra)
-    try:
-        return SamplingParams(**values)
-    except (TypeError, ValueError) as e:
-        raise BatchLineError(str(e)) from None
-
-
-def _structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
-    """`structured_outputs`, with `response_format` (`json_schema`, `json_object`) over it."""
-    structured = body.get("structured_outputs")
-    if structured is not None and not isinstance(structured, dict):
-        raise BatchLineError("structured_outputs must be an object", "structured_outputs")
-    out = dict(structured or {})
-    fmt = body.get("response_format")
-    if fmt is None:
-        return out or None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return out or None
-    if kind == "json_object":
-        return {**out, "json_object": True}
-    if kind == "json_schema":
-        schema = fmt.get("json_schema")
-        if not isinstance(schema, dict) or "schema" not in schema:
-            raise BatchLineError(
-                "response_format json_schema needs json_schema.schema", "response_format"
-            )
-        return {**out, "json": schema["schema"]}
-    raise BatchLineError(
-        f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
-        param="response_format",
-    )
-
-
-def _max_tokens(body: dict[str, Any], defaults: Mapping[str, Any], fallback: Any) -> Any:
-    for name in ("max_completion_tokens", "max_tokens"):
-        if body.get(name) is not None:
-            return body[name]
-    return defaults.get("max_tokens", fallback)
-
-
 def _chat(body: dict[str, Any], defaults: Mapping[str, Any]) -> ChatRequest:
     options = (
         "chat_template",
@@ -367,10 +215,10 @@ def _chat(body: dict[str, Any], defaults: Mapping[str, Any]) -> ChatRequest:
         "structured_outputs",
         "return_token_ids",
         "echo",
-        *_SAMPLING_FIELDS,
+        *SAMPLING_FIELDS,
         *options,
     )
-    _check_fields(body, own)
+    check_fields(body, own)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BatchLineError("messages must be a non-empty list of messages", "messages")
@@ -384,11 +232,11 @@ def _chat(body: dict[str, Any], defaults: Mapping[str, Any]) -> ChatRequest:
         )
     top = body.get("top_logprobs") or 0
     wants_logprobs = bool(body.get("logprobs"))
-    params = _sampling(
+    params = sampling_params(
         body,
         defaults,
         {
-            "max_tokens": _max_tokens(body, defaults, None),
+            "max_tokens": max_tokens(body, defaults, None),
             "logprobs": top if wants_logprobs else None,
         },
     )
@@ -419,10 +267,10 @@ def _completion(body: dict[str, Any], defaults: Mapping[str, Any]) -> Completion
         "response_format",
         "structured_outputs",
         "return_token_ids",
-        *_SAMPLING_FIELDS,
+        *SAMPLING_FIELDS,
     )
-    _check_fields(body, own)
-    prompts = _prompts(body.get("prompt"), "prompt")
+    check_fields(body, own)
+    items = prompts(body.get("prompt"), "prompt")
     logprobs = body.get("logprobs")
     n = body.get("n") or 1
     if body.get("best_of") not in (None, n):
@@ -433,68 +281,26 @@ def _completion(body: dict[str, Any], defaults: Mapping[str, Any]) -> Completion
         extra["max_tokens"] = defaults.get("max_tokens")
     if echo and logprobs is not None and body.get("prompt_logprobs") is None:
         extra["prompt_logprobs"] = logprobs  # the echoed prompt's logprobs, as vLLM
-    params = _sampling(body, defaults, extra)
+    params = sampling_params(body, defaults, extra)
     return CompletionRequest(
-        prompts, params, logprobs, echo=echo, return_token_ids=bool(body.get("return_token_ids"))
-    )
-
-
-def _prompts(value: Any, name: str) -> list[Any]:
-    """Text, a list of texts, token ids, or a list of token-id lists → engine prompts."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return [{"prompt_token_ids": list(value)}]
-        if all(isinstance(v, str) for v in value):
-            return list(value)
-        if all(isinstance(v, list) and v and all(isinstance(t, int) for t in v) for v in value):
-            return [{"prompt_token_ids": list(v)} for v in value]
-    raise BatchLineError(
-        f"{name} must be a string, a list of strings, token ids or lists of token ids",
-        param=name,
+        items, params, logprobs, echo=echo, return_token_ids=bool(body.get("return_token_ids"))
     )
 
 
 def _embedding(body: dict[str, Any], defaults: Mapping[str, Any]) -> EmbeddingRequest:
     own = ("input", "dimensions", "encoding_format", "truncate_prompt_tokens", "use_activation")
-    _check_fields(body, own)
+    check_fields(body, own)
     if "input" not in body:
         raise BatchLineError("body.input is required: a text, texts or token ids", "input")
-    inputs = _prompts(body["input"], "input")
+    inputs = prompts(body["input"], "input")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise BatchLineError(
             f"encoding_format={fmt!r} is not supported; use float or base64", "encoding_format"
         )
     # For embeddings vLLM's `use_activation` is the normalisation.
-    dimensions, normalize = body.get("dimensions"), body.get("use_activation")
-    if isinstance(dimensions, (int, type(None))) and isinstance(normalize, (bool, type(None))):
-        params = _shared_pooling_params(dimensions, normalize)
-    else:
-        params = _pooling_params(dimensions, normalize)
+    params = pooling_params(body.get("dimensions"), body.get("use_activation"))
     return EmbeddingRequest(inputs, params, body.get("truncate_prompt_tokens"), fmt)
-
-
-def _pooling_params(dimensions: Any, normalize: Any) -> PoolingParams:
-    try:
-        return PoolingParams(dimensions=dimensions, normalize=normalize)
-    except (TypeError, ValueError) as e:
-        raise BatchLineError(str(e)) from None
-
-
-@functools.lru_cache(maxsize=64)
-def _shared_pooling_params(dimensions: int | None, normalize: bool | None) -> PoolingParams:
-    """One (never changed) `PoolingParams` per distinct pair, shared by the lines."""
-    return _pooling_params(dimensions, normalize)
-
-
-def _texts(value: Any, name: str) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise BatchLineError(f"{name} must be a text or a non-empty list of texts", param=name)
 
 
 def _score(body: dict[str, Any], defaults: Mapping[str, Any]) -> ScoreRequest:
@@ -503,7 +309,7 @@ def _score(body: dict[str, Any], defaults: Mapping[str, Any]) -> ScoreRequest:
     own = (*sorted({name for pair in sides for name in pair}), "truncate_prompt_tokens")
     own += ("use_activation",)
     own += ("max_tokens_per_query", "max_tokens_per_doc", "instruction", "chat_template_kwargs")
-    _check_fields(body, own)
+    check_fields(body, own)
     for name in ("max_tokens_per_query", "max_tokens_per_doc"):
         if body.get(name):
             raise BatchLineError(f"{name} is not supported; drop it", param=name)
@@ -516,7 +322,7 @@ def _score(body: dict[str, Any], defaults: Mapping[str, Any]) -> ScoreRequest:
         raise BatchLineError(
             "a score body needs queries and documents (or text_1 and text_2, data_1 and data_2)"
         )
-    left, right = _texts(body[pair[0]], pair[0]), _texts(body[pair[1]], pair[1])
+    left, right = texts(body[pair[0]], pair[0]), texts(body[pair[1]], pair[1])
     if len(left) == 1:
         left = left * len(right)
     elif len(right) == 1:
@@ -531,10 +337,10 @@ def _score(body: dict[str, Any], defaults: Mapping[str, Any]) -> ScoreRequest:
 def _rerank(body: dict[str, Any], defaults: Mapping[str, Any]) -> ScoreRequest:
     own = ("query", "documents", "top_n", "truncate_prompt_tokens", "use_activation")
     own += ("max_tokens_per_query", "max_tokens_per_doc", "instruction", "chat_template_kwargs")
-    _check_fields(body, own)
+    check_fields(body, own)
     if not isinstance(body.get("query"), str):
         raise BatchLineError("query must be a text", param="query")
-    documents = _texts(body.get("documents"), "documents")
+    documents = texts(body.get("documents"), "documents")
     top_n = body.get("top_n") or 0
     if not isinstance(top_n, int) or top_n < 0:
         raise BatchLineError(f"top_n={top_n!r} must be an integer >= 0", param="top_n")

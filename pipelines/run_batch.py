@@ -20,18 +20,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 from batchlm.engine.gc_freeze import freeze_gc_heap
-from batchlm.engine.loader.remote import is_remote, open_store
 from batchlm.engine.pooling_params import PoolingParams
 from batchlm.engine.sampling_params import SamplingParams
 from batchlm.operators.row_inputs import strip_index
@@ -39,6 +35,7 @@ from batchlm.operators.row_params import params_fields
 from batchlm.operators.row_spec import ROW_ERRORS
 from batchlm.operators.row_stream import forget_enqueued
 
+from .batch_files import OutputLines, read_lines
 from .openai_requests import (
     CHAT,
     COMPLETION,
@@ -59,15 +56,10 @@ from .openai_responses import (
     rerank_body,
     score_body,
 )
-from .output_store import open_output_store
 
 POOLING_INPUTS_PER_CALL = 8192
 """Inputs (texts, pairs) of consecutive pooling lines run as one engine call: enough for
 full token budgets, few enough that output lines reach the file steadily."""
-READ_BYTES = 1 << 20
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-"""Compact JSON, as vLLM writes its lines (one encoder: `json.dumps` with options builds one
-per call)."""
 
 
 @dataclass
@@ -315,7 +307,7 @@ def run_batch(
     bar = tqdm(unit="line", file=stream or sys.stderr, disable=not progress, mininterval=0.5)
     unfreeze = freeze_gc_heap()
     try:
-        with _OutputFile(output_path) as out:
+        with OutputLines(output_path) as out:
             window: deque[_Line] = deque()
             pooling: list[_Line] = []
             num_pooling_inputs = 0
@@ -400,78 +392,4 @@ def _model_defaults(llm: Any) -> dict[str, Any]:
     return {k: v for k, v in model.items() if base.get(k) != v}
 
 
-def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """`(line number, line)` of every non-blank line of a local file or a store's file."""
-    if is_remote(path):
-        store = open_store(path)
-        source = store.filesystem.open_input_stream(store.path)
-    else:
-        import pyarrow as pa
-
-        source = pa.input_stream(path)  # decompresses by extension (.gz, .bz2, .zst)
-    with source:
-        rest = b""
-        line_no = 0
-        while True:
-            block = source.read(READ_BYTES)
-            if not block:
-                break
-            pieces = (rest + block).split(b"\n")
-            rest = pieces.pop()
-            for piece in pieces:
-                line_no += 1
-                if piece.strip():
-                    yield line_no, piece
-        if rest.strip():
-            yield line_no + 1, rest
-
-
-class _OutputFile:
-    """The output lines, written to a temporary file (or store object) that becomes the
-    output only when every line is in."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        text = path.rstrip("/")
-        parent, _, self.name = text.rpartition("/")
-        if not is_remote(text):
-            parent = str(Path(text).expanduser().absolute().parent)
-            self.name = Path(text).name
-            Path(parent).mkdir(parents=True, exist_ok=True)
-        self.store = open_output_store(parent)
-        sink, self.temp = self.store.open_temp(self.name)
-        self._file: Any = open(sink, "wb") if self.store.is_local else sink  # noqa: SIM115
-        self._buffer: list[bytes] = []
-        self._buffered = 0
-        self.num_bytes = 0
-
-    def write(self, line: dict[str, Any]) -> None:
-        data = _ENCODER.encode(line).encode() + b"\n"
-        self._buffer.append(data)
-        self._buffered += len(data)
-        if self._buffered >= READ_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._buffer:
-            data = b"".join(self._buffer)
-            self._file.write(data)
-            self.num_bytes += len(data)
-        self._buffer, self._buffered = [], 0
-
-    def __enter__(self) -> _OutputFile:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is not None:
-            with contextlib.suppress(Exception):
-                self._file.close()
-            with contextlib.suppress(Exception):
-                self.store.delete(self.temp)
-            return
-        self._flush()
-        self._file.close()
-        self.store.publish(self.temp, self.name, self.num_bytes)
-
-
-__all__ = ["BatchSummary", "POOLING_INPUTS_PER_CALL", "read_lines", "run_batch", "supported_kinds"]
+__all__ = ["BatchSummary", "POOLING_INPUTS_PER_CALL", "run_batch", "supported_kinds"]

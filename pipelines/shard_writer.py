@@ -18,13 +18,18 @@ import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-if TYPE_CHECKING:
-    from .output import OutputFolder
+
+class ShardPublisher(Protocol):
+    """What commits or gives up a written shard (the output folder)."""
+
+    def commit_shard(self, writer: ShardWriter) -> None: ...
+
+    def abandon_shard(self, writer: ShardWriter) -> None: ...
 
 
 class ShardCommitter:
@@ -39,7 +44,7 @@ class ShardCommitter:
         ...     committer.wait()           # the last shard is in place (or its error)
     """
 
-    def __init__(self, out: OutputFolder, on_commit: Callable[[], None]) -> None:
+    def __init__(self, out: ShardPublisher, on_commit: Callable[[], None]) -> None:
         self._out = out
         self._on_commit = on_commit
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchlm-commit")
