@@ -117,18 +117,28 @@ def test_kill_mid_shard_then_resume_writes_every_row_once(tmp_path, s3, local_ru
     assert s3.keys("out") == after
 
 
-def test_changed_job_refuses_to_mix(tmp_path, s3, local_run, capsys, monkeypatch):
+def test_changed_job_refuses_to_mix_then_overwrite_starts_over(
+    tmp_path, s3, local_run, capsys, monkeypatch
+):
     source, model, _ = local_run
     s3.upload(source, "in")
     job = write_job(tmp_path / "job.yaml", _job(model, s3.uri("in"), s3.uri("out")))
     assert cli.main(["run", str(job), "-q"]) == 0
     before = s3.keys("out")
     capsys.readouterr()
+    build_llm = OperatorConfig.build_llm
     _refuse_models(monkeypatch)
     code = cli.main(["run", str(job), "-q", "--set", "sampling_params.max_tokens=3"])
     err = capsys.readouterr().err
     assert code == 2 and "holds results of a different job" in err, err
     assert s3.keys("out") == before
+
+    monkeypatch.setattr(OperatorConfig, "build_llm", build_llm)  # starting over loads it
+    args = ["-q", "--set", "sampling_params.max_tokens=3", "--overwrite"]
+    assert cli.main(["run", str(job), *args]) == 0, capsys.readouterr().err
+    after = s3.keys("out")
+    assert set(after) == set(before) and all(after[k] != before[k] for k in after)
+    assert set(_read(s3, "out").column("num_output_tokens").to_pylist()) <= {None, 3}
 
 
 def _refuse_models(monkeypatch) -> None:
