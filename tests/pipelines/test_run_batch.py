@@ -335,7 +335,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path, tiny_bert):
 def test_the_demo_batch_file_parses():
     from batchlm.pipelines.openai_requests import parse_line
 
-    path = Path(__file__).resolve().parents[2] / "conf" / "data" / "batch_requests.jsonl"
+    path = Path(__file__).resolve().parents[2] / "conf" / "batch_demo.jsonl"
     lines = path.read_text().splitlines()
     parsed = [
         parse_line(text, i + 1, {}, ("HuggingFaceTB/SmolLM2-135M-Instruct",))
