@@ -80,7 +80,29 @@ class OperatorConfig:
         **kwargs: Any,
     ) -> OperatorConfig:
         """Row-contract fields (`prompt_column`, `sampling_params`, ...) and the stage's own
-        fields (`batch_size`, `concurrency`, ...) in one call."""
+        fields (`batch_size`, `concurrency`, ...) in one call.
+
+        Args:
+            model: A local folder, a .gguf file, a name that resolves offline, or a store
+                URI (`s3://bucket/models/name/`).
+            task: generate, chat, embed, score, classify or loglikelihood.
+            engine_kwargs: `LLM(model, **engine_kwargs)` options (default none).
+            **kwargs: the stage's options: batch_size (64), concurrency (1), num_gpus
+                (None), max_batch_retries (2) (and, for `ProcessorConfig`,
+                max_tasks_per_actor, ray_remote_args, stats_dir); the row contract's
+                (`RowSpec`): the input columns (prompt_column "prompt", messages_column
+                "messages", text_column "text", text_pair_column "text_pair",
+                context_column "context", continuation_column "continuation"), the params
+                (sampling_params, pooling_params, structured_outputs, truncate_prompt_tokens,
+                chat_template, chat_template_kwargs; all None), the per-row columns
+                (sampling_params_column "sampling_params", structured_outputs_column
+                "structured_outputs") and the optional generation columns
+                (output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs;
+                all False). docs/operators.md says what each does.
+
+        Raises:
+            RowContractError: an unknown option (the valid ones are listed) or a bad value.
+        """
         row = {k: kwargs.pop(k) for k in list(kwargs) if k in _ROW_FIELDS}
         own = {f.name for f in fields(cls)} - {"model", "spec", "engine_kwargs"}
         unknown = sorted(set(kwargs) - own)
@@ -127,10 +149,16 @@ class OperatorConfig:
         return LLM(self.model, **self.engine_kwargs)
 
     def model_info(self) -> ModelInfo:
-        """Reads the model's config (no weights) for the declared output schema."""
+        """Reads the model's config (no weights) for the declared output schema; a model on
+        a store is read from a copy of its files without the weights (the engines fetch
+        the whole folder where they run)."""
         from batchlm.engine.engine_args import EngineArgs
+        from batchlm.engine.loader.remote import download_model, is_remote
 
-        args = EngineArgs.from_kwargs(self.model, **self.engine_kwargs)
+        model = self.model
+        if is_remote(model):
+            model = str(download_model(model, config_only=True, progress=False))
+        args = EngineArgs.from_kwargs(model, **self.engine_kwargs)
         return ModelInfo.from_hf_config(args.create_engine_config().model.hf_config)
 
 

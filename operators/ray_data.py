@@ -58,7 +58,30 @@ Row = dict[str, Any]
 
 @dataclass(frozen=True)
 class ProcessorConfig(OperatorConfig):
-    """`OperatorConfig` plus what only the Ray stage needs.
+    """The Ray Data engine stage: `OperatorConfig` plus what only Ray needs. Build it with
+    `ProcessorConfig.create(model, task, engine_kwargs=None, **options)`; docs/operators.md
+    has the same list with each option's meaning.
+
+    Attributes (default):
+        model: (required) a local folder, a .gguf file, a name that resolves offline, or a
+            store URI (s3://..., fetched once per machine).
+        task: (required) generate, chat, embed, score, classify or loglikelihood.
+        engine_kwargs ({}): LLM(model, **engine_kwargs) options.
+        batch_size (64): rows per map_batches batch.
+        concurrency (1): engine actors, or (min, max) for an autoscaling pool.
+        num_gpus (None): GPUs per actor; None: tensor_parallel_size on a GPU cluster, else 0.
+        max_batch_retries (2): retries of a batch on a rebuilt engine after an engine failure.
+        max_tasks_per_actor (2): tasks one actor runs at once, sharing its engine.
+        ray_remote_args ({}): actor options (num_cpus, memory, resources, runtime_env, ...).
+        stats_dir (None): a folder for each actor's counts.
+        Row contract (RowSpec): prompt_column ("prompt"), messages_column ("messages"),
+            text_column ("text"), text_pair_column ("text_pair"), context_column
+            ("context"), continuation_column ("continuation"), sampling_params (None),
+            sampling_params_column ("sampling_params"), structured_outputs (None),
+            structured_outputs_column ("structured_outputs"), pooling_params (None),
+            truncate_prompt_tokens (None), chat_template (None), chat_template_kwargs
+            (None), output_token_ids (False), output_logprobs (False), cumulative_logprob
+            (False), prompt_logprobs (False).
 
     Example:
         >>> config = ProcessorConfig.create(
@@ -339,6 +362,15 @@ def build_processor(
     **map_batches_overrides: Any,
 ) -> Processor:
     """A `Dataset → Dataset` callable running `config`'s task over every row.
+
+    The engine stage is `ds.map_batches(<Task>Actor, ...)` over a pool of
+    `config.concurrency` actors (or an autoscaling pool between `(min, max)`), each with
+    `config.num_gpus` GPUs (default: `tensor_parallel_size` on a GPU cluster, else 0) and
+    one engine built once, shared by `max_tasks_per_actor` tasks at a time. Every input
+    column passes through; the task's columns are appended with the declared types
+    (`Processor.output_schema`), `error` last: null, or why that row failed (the other rows
+    run). An engine failure retries the batch on a rebuilt engine, a dead actor is
+    restarted, each at most `max_batch_retries` times.
 
     Args:
         config: `ProcessorConfig` (or a plain `OperatorConfig`: Ray defaults).

@@ -345,23 +345,34 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
 
 
 def generate_udf(config: OperatorConfig) -> Any:
-    """A UDF of the prompt column → struct<generated_text, finish_reason, num_input_tokens,
-    num_output_tokens, error>.
+    """A pandas UDF `(prompt[, sampling_params]) → struct<generated_text: string,
+    finish_reason: string, num_input_tokens: int, num_output_tokens: int, error: string>`.
 
-    Example: `df.withColumn("out", generate_udf(config)("prompt"))`.
+    The prompt column holds text or token ids; the optional second column each row's own
+    sampling params (struct or JSON text, merged over `config`'s). The optional generation
+    columns switched on in `config` (output_token_ids, output_logprobs, cumulative_logprob,
+    prompt_logprobs) join the struct before `error`. `udf.output_fields` lists the struct's
+    Arrow fields.
+
+    Example: `df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")`.
     """
     return _make_udf(config, "generate")
 
 
 def chat_udf(config: OperatorConfig) -> Any:
-    """A UDF of a messages column (array of {role, content} structs, or JSON text) → the
-    same struct as `generate_udf`."""
+    """A pandas UDF `(messages[, sampling_params]) → struct<generated_text, finish_reason,
+    num_input_tokens, num_output_tokens, error>`, as `generate_udf`; messages are an array
+    of {role, content} structs, or JSON text, rendered with the model's chat template (or
+    `config`'s chat_template).
+
+    Example: `df.withColumn("out", chat_udf(config)("messages"))`.
+    """
     return _make_udf(config, "chat")
 
 
 def embed_udf(config: OperatorConfig) -> Any:
-    """A UDF of a text column → struct<embedding: array<float>, error>; the dimension is
-    `udf.embedding_dim`.
+    """A pandas UDF `(text) → struct<embedding: array<float>, error: string>`; the
+    dimension is `udf.embedding_dim` (the model's, or `pooling_params.dimensions`).
 
     Example: `df.withColumn("out", embed_udf(config)("text")).select("id", "out.embedding")`.
     """
@@ -369,7 +380,9 @@ def embed_udf(config: OperatorConfig) -> Any:
 
 
 def score_udf(config: OperatorConfig) -> Any:
-    """A UDF of (text, text_pair) columns → struct<score: double, error>.
+    """A pandas UDF `(text, text_pair) → struct<score: double, error: string>`: a
+    cross-encoder's relevance, an embedding model's cosine, or a late-interaction model's
+    MaxSim.
 
     Example: `df.withColumn("out", score_udf(config)("query", "document"))`.
     """
@@ -377,13 +390,17 @@ def score_udf(config: OperatorConfig) -> Any:
 
 
 def classify_udf(config: OperatorConfig) -> Any:
-    """A UDF of a text column → struct<probs: array<float>, label, error>."""
+    """A pandas UDF `(text) → struct<probs: array<float>, label: string, error: string>`:
+    the class probabilities (`num_labels` of them) and the top label's name.
+
+    Example: `df.withColumn("out", classify_udf(config)("review")).select("out.label")`.
+    """
     return _make_udf(config, "classify")
 
 
 def loglikelihood_udf(config: OperatorConfig) -> Any:
-    """A UDF of (context, continuation) columns → struct<logprob: double, is_greedy: boolean,
-    num_tokens, num_input_tokens, num_cached_tokens: int, error>.
+    """A pandas UDF `(context, continuation) → struct<logprob: double, is_greedy: boolean,
+    num_tokens: int, num_input_tokens: int, num_cached_tokens: int, error: string>`.
 
     Example: `df.withColumn("out", loglikelihood_udf(config)("question", "choice"))`.
     """
@@ -396,7 +413,14 @@ def loglikelihood_udf(config: OperatorConfig) -> Any:
 def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
     """Every column of `df` followed by the task's output columns, via `mapInArrow`.
 
-    The output schema is declared before any row runs (input schema + output fields).
+    Reads the task's columns by the names `config` gives (prompt, messages, text /
+    text_pair, context / continuation), and the per-row `sampling_params` /
+    `structured_outputs` columns when `df` has them. The output schema is declared before
+    any row runs: `df`'s schema + the task's fields (generate / chat: generated_text,
+    finish_reason, num_input_tokens, num_output_tokens and the optional generation columns;
+    embed: embedding array<float> with its length in the field metadata `FIXED_SIZE_KEY`;
+    score: score; classify: probs, label; loglikelihood: logprob, is_greedy, num_tokens,
+    num_input_tokens, num_cached_tokens), `error` last.
 
     Example:
         >>> map_in_arrow(spark.read.parquet("docs.parquet"), embed_config).write.parquet(out)

@@ -22,6 +22,8 @@ _EXPORTS = {
     "run_job": "job",
     "JobSummary": "progress",
     "OutputConflictError": "output",
+    "run_batch": "run_batch",
+    "BatchSummary": "run_batch",
 }
 
 

@@ -18,8 +18,8 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import IO, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from batchlm.engine.loader.remote import RemoteStoreError, is_remote
 from batchlm.operators import fault_injection
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.rows import (
@@ -32,6 +32,7 @@ from batchlm.operators.rows import (
 )
 
 from .output import OutputFolder, ShardCommitter, job_manifest
+from .output_store import open_output_store
 from .progress import JobSummary, Progress, metric_values
 from .runner import Runner, ShardBatch, ShardInput
 from .shards import InputFile, Shard, find_input_files, plan_shards, read_schema, read_shard
@@ -92,6 +93,7 @@ def plan_job(job: JobSpec) -> JobPlan:
     files = find_input_files(job.input)
     for file in files:
         _check_input_columns(config, file, read_schema(file))
+    _check_output(job.output.path)
     info = _model_info(config)
     shards = plan_shards(files, job.input.rows_per_shard)
     config_fp = results_fingerprint(config)
@@ -125,6 +127,17 @@ def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Sch
         output_schema(spec, ModelInfo(1, 1), schema)
     except RowContractError as e:
         raise JobSpecError(f"input {file.path!r}: {e}") from None
+
+
+def _check_output(path: str) -> None:
+    """A store's output folder must answer and its bucket exist (local folders are created
+    and locked when the job starts)."""
+    if not is_remote(path):
+        return
+    try:
+        open_output_store(path).open()
+    except RemoteStoreError as e:
+        raise JobSpecError(f"output.path: {e}") from None
 
 
 def _model_info(config: OperatorConfig) -> ModelInfo:
@@ -164,6 +177,9 @@ def run_job(
     try:
         out.prepare(overwrite=overwrite)
         pending = [s for s in plan.shards if not out.is_done(s.name)]
+        if pending:
+            out.claim()  # a store's lease, taken only when there is something to write
+            pending = [s for s in pending if not out.is_done(s.name)]
         if announce is not None:
             announce(
                 f"{len(pending)} of {len(plan.shards)} shard(s) to run on the {job.runner} "
@@ -186,11 +202,7 @@ def run_job(
             num_shards_skipped=len(plan.shards) - len(pending),
             rows_written=bar.rows,
             rows_failed=bar.failed,
-            rows_in_output=sum(
-                pq.read_metadata(out.part_path(s.name)).num_rows
-                for s in plan.shards
-                if out.is_done(s.name)
-            ),
+            rows_in_output=sum(out.num_rows(s.name) for s in plan.shards if out.is_done(s.name)),
             seconds=bar.seconds,
             prompt_tokens=bar.prompt_tokens,
             output_tokens=bar.output_tokens,

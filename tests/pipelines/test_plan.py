@@ -205,9 +205,9 @@ def test_output_lock_and_atomic_shards(tmp_path):
 
 
 def test_batches_are_gathered_into_row_groups_written_in_order(tmp_path, monkeypatch):
-    from batchlm.pipelines import output
+    from batchlm.pipelines import shard_writer
 
-    monkeypatch.setattr(output, "ROW_GROUP_ROWS", 10)
+    monkeypatch.setattr(shard_writer, "ROW_GROUP_ROWS", 10)
     out = OutputFolder(tmp_path / "o", manifest())
     out.prepare(overwrite=False)
     schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
@@ -266,9 +266,9 @@ def test_float_columns_are_plain_and_read_back_exactly(tmp_path):
 
 
 def test_a_failed_row_group_write_fails_the_shard_and_leaves_no_file(tmp_path, monkeypatch):
-    from batchlm.pipelines import output
+    from batchlm.pipelines import shard_writer
 
-    monkeypatch.setattr(output, "ROW_GROUP_ROWS", 2)
+    monkeypatch.setattr(shard_writer, "ROW_GROUP_ROWS", 2)
     out = OutputFolder(tmp_path / "o", manifest())
     out.prepare(overwrite=False)
     schema = pa.schema([("id", pa.int64())])

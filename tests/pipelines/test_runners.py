@@ -1,5 +1,7 @@
 """The same job on the local, Ray and Spark runners writes the same rows, equal to direct
-`LLM.generate` / `LLM.chat` / `LLM.embed` calls over those rows with the job's params."""
+`LLM.generate` / `LLM.chat` / `LLM.embed` calls over those rows with the job's params. The
+Ray and Spark runs of the generation job read their input from and write their output to an
+S3-compatible store (the job's own I/O, the same for every runner, is the driver's)."""
 
 from __future__ import annotations
 
@@ -135,17 +137,20 @@ def test_local_runner(local_output: pa.Table, generate_reference):
 
 @pytest.mark.parametrize("runner", ["ray", "spark"])
 def test_runner_matches_local(
-    runner: str, generate_job: JobSpec, local_output, generate_reference, tmp_path: Path
+    runner: str, generate_job: JobSpec, local_output, generate_reference, s3
 ):
     _skip_without(runner)
-    job = generate_job.with_overrides(runner=runner, output=str(tmp_path / runner))
+    source = s3.upload(Path(generate_job.input.path), "in")
+    job = generate_job.with_overrides(runner=runner, input=source, output=s3.uri(runner))
     summary = run_job(job, progress=False)
     assert summary.num_shards_written == 3 and summary.rows_written == len(PROMPTS)
-    out = pq.read_table(tmp_path / runner)
+    out = pq.read_table(f"{s3.bucket}/{runner}", filesystem=s3.fs)
     assert out.schema == local_output.schema
     assert out.to_pylist() == local_output.to_pylist()
-    for name in ("part-00000-a", "part-00001-b", "part-00002-c"):
-        assert (tmp_path / runner / f"{name}.parquet").exists()
+    names = ("part-00000-a", "part-00001-b", "part-00002-c")
+    assert set(s3.keys(runner)) == {f"{runner}/{n}.parquet" for n in names} | {
+        f"{runner}/_batchlm_manifest.json"
+    }
     _check_generated(out, generate_reference)
 
 
