@@ -54,19 +54,14 @@ def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptErr
         ) from None
 
 
-def check_unsupported_options(lora_request: Any = None, priority: Any = None) -> None:
-    """vLLM's per-call `lora_request` and `priority`: None (their default) is accepted, so
-    that vLLM code runs unchanged; anything else is refused, naming the value."""
+def check_unsupported_options(lora_request: Any = None) -> None:
+    """vLLM's per-call `lora_request`: None (its default) is accepted, so that vLLM code
+    runs unchanged; anything else is refused, naming the value."""
     if lora_request is not None:
         raise InvalidParamError(
             f"lora_request={lora_request!r}: LoRA adapters are not supported; merge the "
             "adapter into the base weights (for example peft's merge_and_unload) and load "
             "the merged folder"
-        )
-    if priority is not None:
-        raise InvalidParamError(
-            f"priority={priority!r}: requests are scheduled first come, first served (there "
-            "is no priority scheduling); leave priority=None"
         )
 
 

@@ -29,6 +29,7 @@ from ..models.layers.pooler import PoolingType, pool
 from ..models.registry import build_pooling_model_kwargs, pooling_task_of
 from ..pooling_params import PoolingParams
 from .late_interaction import maxsim
+from .sleep_mode import RunnerSleep
 from .step_buffers import start_copy_to_host
 
 # On CPU a forward of more tokens than this gains nothing from matmul efficiency, while its
@@ -175,23 +176,19 @@ class PoolingRunner:
         mc = config.model
         self.device = config.device.device
         self.task = pooling_task_of(mc.architecture, mc.convert)
-        backend = get_attention_backend("torch")
-        cls, kwargs = build_pooling_model_kwargs(
-            mc.architecture, mc.hf_config, backend, mc.max_model_len
-        )
-        self.model = build_model(
-            cls, Path(mc.path), mc.dtype, self.device, load_format=mc.load_format, **kwargs
-        )
         st = read_sentence_transformers_config(Path(mc.path))
-        hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
-        self.heads = load_pooling_heads(
-            Path(mc.path), mc.architecture, self.task, hidden_size, st, self.device
-        )
+        self.st_config = st
+        self.load_model()
         self.is_late_interaction = self.heads.is_late_interaction
         if self.is_late_interaction:
             self.task = "token_embed"
+        pooler = mc.pooler_config
         st_pooling = st.pooling_type if st else None
-        self.pooling_type = st_pooling or self.model.default_pooling_type
+        self.pooling_type = (
+            PoolingType(pooler.pooling_type)
+            if pooler is not None and pooler.pooling_type is not None
+            else st_pooling or self.model.default_pooling_type
+        )
         self.default_normalize = st.normalize if st else True
         self.max_seq_length = st.max_seq_length if st else None
         self.do_lower_case = st.do_lower_case if st else False
@@ -205,6 +202,7 @@ class PoolingRunner:
         self.num_labels = getattr(self.model, "num_labels", None)
         self._staging = _PinnedStaging()
         self._on_batch: Callable[[int], None] | None = None
+        self.sleep_state = RunnerSleep(self)
 
     @contextlib.contextmanager
     def reporting(self, on_batch: Callable[[int], None]) -> Iterator[None]:
@@ -222,9 +220,52 @@ class PoolingRunner:
         if self._on_batch is not None:
             self._on_batch(num_inputs)
 
+    def load_model(self) -> None:
+        """Build the model and its pooling heads and fill their weights (the checkpoint, or
+        seeded random weights with `load_format="dummy"`); again after a level-2 sleep."""
+        mc = self.config.model
+        cls, kwargs = build_pooling_model_kwargs(
+            mc.architecture, mc.hf_config, get_attention_backend("torch"), mc.max_model_len
+        )
+        self.model = None
+        self.model = build_model(
+            cls, Path(mc.path), mc.dtype, self.device, load_format=mc.load_format, **kwargs
+        )
+        hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
+        self.heads = load_pooling_heads(
+            Path(mc.path), mc.architecture, self.task, hidden_size, self.st_config, self.device
+        )
+
     def release(self) -> None:
         """Drop the model so its memory returns to the device; nothing runs afterwards."""
         self.model = None
+
+    # ---- sleep mode (`worker/sleep_mode.py`): no KV cache, the weights alone ----------
+
+    def sleep(self, level: int) -> int:
+        return self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_state.wake_up(tags)
+
+    def weight_modules(self) -> list[torch.nn.Module]:
+        return [self.model, *self.heads.sentence, *self.heads.tokens]
+
+    def drop_weights(self) -> None:
+        self.model = None
+        self.heads = None
+
+    def reload_weights_from_checkpoint(self) -> None:
+        self.load_model()
+
+    def free_device_state(self) -> None:
+        self._staging = _PinnedStaging()
+
+    def restore_device_state(self) -> None:
+        pass
+
+    def on_weights_restored(self) -> None:
+        pass
 
     # ---- batching ---------------------------------------------------------------------
 
