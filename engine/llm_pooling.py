@@ -295,6 +295,7 @@ class PoolingMixin:
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
         if self.llm_engine.is_shut_down:
             raise EngineDeadError("this LLM was shut down; build a new one")
+        self.llm_engine.sleep_state.check_awake(f"{method}()")
         if not isinstance(self.llm_engine, PoolingEngine):
             raise InvalidParamError(
                 f"{method}() needs a pooling model, but this one was loaded to generate; "
