@@ -466,7 +466,9 @@ class LLM(PoolingMixin):
             raise InvalidParamError(
                 f"{method}() needs a generative model, but this one was loaded for pooling "
                 f"({engine.pooling_runner.task}); use embed / classify / score / "
-                "encode, or load a *ForCausalLM checkpoint with runner='generate'"
+                "encode, or load a *ForCausalLM checkpoint with runner='generate' "
+                f"(LLM.{method}() is only supported for generative models. Try passing "
+                "`--runner generate` to use the model as a generative model.)"
             )
         return engine
 

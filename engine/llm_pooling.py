@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, check_text, check_unsupported_options
+from .inputs import PromptType, check_text, check_unsupported_options, prompt_list
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -204,22 +204,23 @@ class PoolingMixin(PoolingInputsMixin):
         pooling_task: str = "embed",
         lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
-        """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
-        `classify` or `token_embed` (every token's final hidden state; a late-interaction
-        model's normalised projected token vectors)."""
+        """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`, the task the
+        model serves (as in vLLM): `embed`, `classify`, or `token_embed` (every token's
+        vector: a late-interaction model's, or an embedding model's built with
+        `pooler_config={"task": "token_embed"}`). Another task raises vLLM's error."""
         check_unsupported_options(lora_request)
         if pooling_task == "token_classify":
             raise InvalidParamError(
                 "pooling_task='token_classify' (a label per token, for *ForTokenClassification "
-                "checkpoints) is not supported; use 'token_embed' for every token's hidden "
-                "state, or 'classify' for one label per prompt"
+                "checkpoints) is not supported; use 'token_embed' for every token's vector, "
+                "or 'classify' for one label per prompt"
             )
         if pooling_task not in ("embed", "classify", "token_embed"):
             raise InvalidParamError(
                 f"pooling_task={pooling_task!r} is unknown; use 'embed', 'classify' or "
                 "'token_embed'"
             )
-        runner = self._pooling_runner("encode", "classify" if pooling_task == "classify" else None)
+        runner = self._pooling_runner("encode", pooling_task)
         if pooling_task == "embed":
             run = runner.embed
         elif pooling_task == "classify":
@@ -278,6 +279,8 @@ class PoolingMixin(PoolingInputsMixin):
             metrics.record_pooling(inputs.lens.tolist(), elapsed)
 
     def _pooling_runner(self, method: str, task: str | None) -> PoolingRunner:
+        """The runner, once the call can run: the engine open and awake, a pooling model
+        that serves `task` (None: any)."""
         if self.llm_engine.is_shut_down:
             raise EngineDeadError("this LLM was shut down; build a new one")
         self.llm_engine.sleep_state.check_awake(f"{method}()")
@@ -285,24 +288,43 @@ class PoolingMixin(PoolingInputsMixin):
             raise InvalidParamError(
                 f"{method}() needs a pooling model, but this one was loaded to generate; "
                 f"load it with LLM(model, runner='pooling') (a generative checkpoint pools its "
-                "last token: convert='embed')"
+                f"last token: convert='embed') (LLM.{method}() is only supported for pooling "
+                "models. Try passing `--runner pooling` to use the model as a pooling model.)"
             )
         runner = self.llm_engine.pooling_runner
-        if task is not None and runner.task != task:
-            if task == "classify":
-                hint = "load a *ForSequenceClassification checkpoint"
-            elif runner.task == "token_embed":
+        if task is not None:
+            _check_task(runner, method, task)
+        return runner
+
+
+def _check_task(runner: PoolingRunner, method: str, task: str) -> None:
+    """`task` is the one the model serves, or an error as vLLM's: a task the model cannot
+    serve at all, or one it serves only when built for it (`pooler_config`)."""
+    if task == runner.task:
+        return
+    supported = runner.supported_tasks
+    if task not in supported:
+        if task in ("embed", "token_embed"):
+            if runner.task == "token_embed":
                 hint = (
                     "this late-interaction model gives token vectors: use "
                     "encode(pooling_task='token_embed') or score()"
                 )
             else:
                 hint = "use classify() or score() with this classifier"
-            raise InvalidParamError(
-                f"{method}() needs a model that can {task}, but this one does {runner.task}; "
-                + hint
-            )
-        return runner
+            phrase = "Embedding API is not supported by this model."
+        else:
+            hint = "load a *ForSequenceClassification checkpoint"
+            phrase = "Classification API is not supported by this model."
+        raise InvalidParamError(
+            f"{method}() needs a model that can {task}, but this one does {runner.task}; "
+            f"{hint} ({phrase})"
+        )
+    raise InvalidParamError(
+        f"{method}() asks for {task}, but this model is built to {runner.task}; build it "
+        f"with LLM(..., pooler_config={{'task': {task!r}}}) to serve {task} (Try switching "
+        f'the model\'s pooling_task via `PoolerConfig(task="{task}")`)'
+    )
 
 
 def _rows(results: torch.Tensor | list[Any], as_tensors: bool = False) -> Sequence[Any]:
@@ -317,10 +339,9 @@ def _rows(results: torch.Tensor | list[Any], as_tensors: bool = False) -> Sequen
 
 
 def _num_prompts(prompts: Any) -> int:
-    """How many prompts a call's `prompts` argument holds (one string or dict is one)."""
-    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
-        return 1
-    return len(prompts)
+    """How many prompts a call's `prompts` argument holds (one string, dict or list of
+    token ids is one)."""
+    return len(prompt_list(prompts))
 
 
 def _score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]):

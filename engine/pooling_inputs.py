@@ -19,7 +19,7 @@ import torch
 
 from . import envs
 from .errors import InvalidParamError, InvalidPromptError
-from .inputs import PromptType, normalize_prompts
+from .inputs import PromptType, normalize_prompts, prompt_list
 from .pooling_engine import PoolingEngine
 from .pooling_params import PoolingParams
 from .tokenize_pool import EncodedTexts, TokenizePool, TokenizePoolError
@@ -85,7 +85,8 @@ class PoolingInputsMixin:
         """
         from .worker.pooling_runner import PackedInputs
 
-        n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 1
+        prompts = prompt_list(prompts)
+        n = len(prompts)
         chunk = self._tokenize_chunk_size()
         is_pool_new = self._tokenize_pool is None
         pool = self._tokenize_pool_for(n, chunk or _TOKENIZE_CHUNK)
@@ -186,7 +187,7 @@ class PoolingInputsMixin:
         name prompts by their index plus `index_offset`. Texts go to `pool` when given."""
         from .worker.pooling_runner import PackedInputs
 
-        prompt_dicts = normalize_prompts(prompts)
+        prompt_dicts = normalize_prompts(prompts, token_types=True)
         n = len(prompt_dicts)
         if pooling_params is None:
             params = [PoolingParams()] * n
@@ -230,14 +231,18 @@ class PoolingInputsMixin:
                     encoded = _encode_batch(tokenizer, batch, max_len)
                 for (i, _), tokens in zip(texts, encoded, strict=True):
                     ids[i] = tokens
+        types: list[list[int] | None] = [p.get("token_type_ids") for p in prompt_dicts]
         if len(texts) < n:  # token-id prompts: cut and check one by one
             for i, p in enumerate(prompt_dicts):
                 if "prompt_token_ids" in p:
                     if truncate is not None and max_len is not None:
                         ids[i] = ids[i][-max_len:]
+                        if types[i] is not None:
+                            types[i] = types[i][-max_len:]
                     self._check_pooling_input(i + index_offset, ids[i])
         if packed is None:
-            packed = PackedInputs.from_lists(ids)  # type: ignore[arg-type]
+            with_types = types if any(t is not None for t in types) else None
+            packed = PackedInputs.from_lists(ids, with_types)  # type: ignore[arg-type]
         # Ids the tokenizer produced are in the vocabulary by construction; their lengths
         # are checked at once.
         lens = packed.lens
@@ -272,12 +277,15 @@ class PoolingInputsMixin:
         max_len = self.llm_engine.config.model.max_model_len
         if not ids:
             raise InvalidPromptError(
-                f"prompts[{index}] is empty; an input needs at least one token"
+                f"prompts[{index}] is empty; an input needs at least one token (The decoder "
+                "prompt cannot be empty)"
             )
         if len(ids) > max_len:
             raise InvalidPromptError(
                 f"prompts[{index}] has {len(ids)} tokens, more than the model's maximum "
-                f"{max_len}; shorten it or pass truncate_prompt_tokens"
+                f"{max_len}; shorten it or pass truncate_prompt_tokens (This model's maximum "
+                f"context length is {max_len} tokens, and your prompt contains {len(ids)} "
+                "input tokens)"
             )
         if not check_ids:
             return
@@ -285,7 +293,8 @@ class PoolingInputsMixin:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise InvalidPromptError(
-                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
+                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab}) "
+                f"(Token id {bad} is out of vocabulary)"
             )
 
 
