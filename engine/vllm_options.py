@@ -169,8 +169,8 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     ),
     "tensor_parallel_size": _SAME,
     "device_ids": _SAME,
-    "master_addr": _no_effect(_ONE_NODE),
-    "master_port": _no_effect(_ONE_NODE + " on a free port"),
+    "master_addr": _no_effect(_ONE_NODE, "127.0.0.1"),
+    "master_port": _no_effect(_ONE_NODE + " on a free port", 29501),
     "nnodes": _refused(_ONE_NODE, 1),
     "node_rank": _refused(_ONE_NODE),
     "distributed_timeout_seconds": _no_effect(
@@ -184,9 +184,9 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "numa_bind_cpus": _no_effect("ranks are not pinned to NUMA nodes"),
     "prefill_context_parallel_size": _refused(_CONTEXT_PARALLEL, 1),
     "decode_context_parallel_size": _refused(_CONTEXT_PARALLEL, 1),
-    "dcp_comm_backend": _no_effect(_CONTEXT_PARALLEL),
-    "dcp_kv_cache_interleave_size": _no_effect(_CONTEXT_PARALLEL),
-    "cp_kv_cache_interleave_size": _no_effect(_CONTEXT_PARALLEL),
+    "dcp_comm_backend": _no_effect(_CONTEXT_PARALLEL, "ag_rs"),
+    "dcp_kv_cache_interleave_size": _no_effect(_CONTEXT_PARALLEL, 1),
+    "cp_kv_cache_interleave_size": _no_effect(_CONTEXT_PARALLEL, 1),
     "data_parallel_size": _refused(_DATA_PARALLEL, 1),
     "data_parallel_rank": _refused(_DATA_PARALLEL),
     "data_parallel_start_rank": _refused(_DATA_PARALLEL),
@@ -196,19 +196,19 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "data_parallel_hybrid_lb": _no_effect(_DATA_PARALLEL),
     "data_parallel_external_lb": _no_effect(_DATA_PARALLEL),
     "data_parallel_multi_port_external_lb": _no_effect(_DATA_PARALLEL),
-    "data_parallel_backend": _no_effect(_DATA_PARALLEL),
+    "data_parallel_backend": _no_effect(_DATA_PARALLEL, "mp"),
     "disable_nccl_for_dp_synchronization": _no_effect(_DATA_PARALLEL),
     "enable_expert_parallel": _refused(_EXPERT_PARALLEL),
     "enable_ep_weight_filter": _no_effect(_EXPERT_PARALLEL),
-    "all2all_backend": _no_effect(_EXPERT_PARALLEL),
+    "all2all_backend": _no_effect(_EXPERT_PARALLEL, "allgather_reducescatter"),
     "enable_elastic_ep": _refused(_EXPERT_PARALLEL),
     "eplb_config": _no_effect(_EXPERT_PARALLEL),
     "enable_eplb": _refused(_EXPERT_PARALLEL),
-    "expert_placement_strategy": _no_effect(_EXPERT_PARALLEL),
+    "expert_placement_strategy": _no_effect(_EXPERT_PARALLEL, "linear"),
     "enable_dbo": _refused("dual-batch overlap is not supported; drop the option"),
     "ubatch_size": _no_effect("micro-batches exist only under dual-batch overlap"),
-    "dbo_decode_token_threshold": _no_effect("dual-batch overlap is not supported"),
-    "dbo_prefill_token_threshold": _no_effect("dual-batch overlap is not supported"),
+    "dbo_decode_token_threshold": _no_effect("dual-batch overlap is not supported", 32),
+    "dbo_prefill_token_threshold": _no_effect("dual-batch overlap is not supported", 512),
     "max_parallel_loading_workers": _no_effect("each rank loads its own shard of the weights"),
     "disable_custom_all_reduce": _SAME,
     "ray_workers_use_nsight": _no_effect("ranks are processes batchlm spawns, not Ray workers"),
@@ -226,7 +226,8 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "enable_prefix_caching": _SAME,
     "prefix_caching_hash_algo": _no_effect(
         "prefix-cache blocks are keyed by a chained hash of their tokens, whatever "
-        "algorithm is named"
+        "algorithm is named",
+        "sha256",
     ),
     "prefix_match_unit": _no_effect("prefix-cache hits land on block boundaries"),
     "disable_sliding_window": _refused(
@@ -267,13 +268,13 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "scheduling_policy": _SAME,
     "scheduler_cls": _refused("the scheduler is batchlm's own"),
     "async_scheduling": _SAME,
-    "stream_interval": _no_effect("offline calls return whole outputs"),
+    "stream_interval": _no_effect("offline calls return whole outputs", 1),
     "cpu_offload_gb": _refused(
         "weights stay on the device; lower the footprint with quantization='fp8' / 'int8' "
         "or split the model with tensor_parallel_size"
     ),
     "cpu_offload_params": _no_effect("weights are not offloaded to the CPU"),
-    "offload_backend": _no_effect("weights are not offloaded to the CPU"),
+    "offload_backend": _no_effect("weights are not offloaded to the CPU", "auto"),
     "offload_group_size": _refused(
         "weights stay on the device; lower the footprint with quantization='fp8' / 'int8' "
         "or split the model with tensor_parallel_size"
@@ -285,7 +286,7 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
         "the KV cache stays on the device; size it with gpu_memory_utilization or "
         "kv_cache_memory_bytes"
     ),
-    "kv_offloading_backend": _no_effect("the KV cache is not offloaded"),
+    "kv_offloading_backend": _no_effect("the KV cache is not offloaded", "native"),
     "kv_sharing_fast_prefill": _refused("cross-layer KV sharing is not supported; drop the option"),
     "calculate_kv_scales": _refused(
         "the fp8 KV cache (kv_cache_dtype='fp8') stores keys and values with scale 1.0"
@@ -314,8 +315,8 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "compilation_config": _no_effect(
         "nothing is compiled with torch.compile; CUDA graphs follow enforce_eager"
     ),
-    "optimization_level": _no_effect("nothing is compiled with torch.compile"),
-    "performance_mode": _no_effect("there is one execution mode"),
+    "optimization_level": _no_effect("nothing is compiled with torch.compile", 2, "O2"),
+    "performance_mode": _no_effect("there is one execution mode", "balanced"),
     "attention_backend": _SAME,
     "attention_config": _no_effect("the attention follows attention_backend ('triton' or 'torch')"),
     "override_attention_dtype": _refused("attention runs in the model's dtype (dtype=)"),
@@ -336,9 +337,11 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
         "weights, or put it to sleep meanwhile (enable_sleep_mode=True)"
     ),
     "model_loader_extra_config": _no_effect(_LOADING),
-    "ignore_patterns": _no_effect("only the model folder's *.safetensors files are read"),
-    "use_tqdm_on_load": _no_effect("loading shows no progress bar"),
-    "pt_load_map_location": _no_effect(_LOADING),
+    "ignore_patterns": _no_effect(
+        "only the model folder's *.safetensors files are read", ["original/**/*"]
+    ),
+    "use_tqdm_on_load": _no_effect("loading shows no progress bar", True),
+    "pt_load_map_location": _no_effect(_LOADING, "cpu"),
     # ---- structured outputs, speculation, reasoning ------------------------------------
     "structured_outputs_config": _SAME,
     "reasoning_parser": _refused(
@@ -358,12 +361,12 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "otlp_traces_endpoint": _no_effect("no OpenTelemetry traces are exported"),
     "collect_detailed_traces": _no_effect("no OpenTelemetry traces are exported"),
     "kv_cache_metrics": _no_effect(_OBSERVABILITY),
-    "kv_cache_metrics_sample": _no_effect(_OBSERVABILITY),
+    "kv_cache_metrics_sample": _no_effect(_OBSERVABILITY, 0.01),
     "cudagraph_metrics": _no_effect(_OBSERVABILITY),
     "enable_layerwise_nvtx_tracing": _no_effect("no NVTX ranges are emitted"),
     "enable_mfu_metrics": _no_effect(_OBSERVABILITY),
     "enable_logging_iteration_details": _no_effect(_OBSERVABILITY),
-    "jit_monitor_mode": _no_effect("nothing is compiled with torch.compile"),
+    "jit_monitor_mode": _no_effect("nothing is compiled with torch.compile", "warn"),
     "jit_monitor_verbose": _no_effect("nothing is compiled with torch.compile"),
     "enable_mm_processor_stats": _no_effect(_MULTIMODAL),
     # ---- LoRA -----------------------------------------------------------------------------
@@ -410,7 +413,7 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "mamba_ssm_cache_dtype": _no_effect(_MAMBA, "auto"),
     "mamba_block_size": _no_effect(_MAMBA),
     "mamba_cache_mode": _no_effect(_MAMBA, "none"),
-    "mamba_backend": _no_effect(_MAMBA),
+    "mamba_backend": _no_effect(_MAMBA, "triton"),
     "enable_mamba_cache_stochastic_rounding": _no_effect(_MAMBA),
     "mamba_cache_philox_rounds": _no_effect(_MAMBA),
     # ---- profiling ---------------------------------------------------------------------
@@ -432,7 +435,9 @@ def is_unset(value: Any, option: VllmOption) -> bool:
         return True
     if isinstance(value, enum.Enum):
         value = value.value
-    return any(value == a for a in option.accepted)
+    return any(
+        value == a and isinstance(value, bool) == isinstance(a, bool) for a in option.accepted
+    )
 
 
 _logged: set[str] = set()
