@@ -108,6 +108,8 @@ class EngineArgs:
             self.max_model_len = None
         if self.tokens_only:
             self.skip_tokenizer_init = True
+        if self.load_format == "safetensors":  # vLLM's name of what "auto" reads here
+            self.load_format = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -519,8 +521,6 @@ class EngineArgs:
         m = self.max_logprobs
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise InvalidParamError(f"max_logprobs={m!r} must be an integer >= -1 (-1: no limit)")
-        if self.load_format == "safetensors":  # vLLM's name of what "auto" reads here
-            self.load_format = "auto"
         if self.load_format not in LOAD_FORMATS:
             raise InvalidParamError(
                 f"load_format={self.load_format!r} is not supported; use one of "

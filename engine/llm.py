@@ -71,7 +71,10 @@ class LLM(PoolingMixin):
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
             `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
-            `metrics_port`, ...). An unknown name raises `TypeError` listing the valid ones.
+            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, ...), and every other
+            option of vLLM 0.26's `EngineArgs` as `vllm_options.VLLM_OPTIONS` says (no
+            effect, or refused unless at vLLM's default). A name that is neither raises
+            `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams

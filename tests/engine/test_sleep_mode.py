@@ -155,6 +155,10 @@ def test_bad_calls_are_refused_and_repeats_change_nothing(llm, expected):
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="two ranks on CUDA need two GPUs (on the CPU they run over gloo)",
+)
 def test_two_ranks_sleep_and_wake_together(llama):
     llm = LLM(str(llama), max_model_len=128, tensor_parallel_size=2, enable_sleep_mode=True)
     try:
