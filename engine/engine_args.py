@@ -272,7 +272,7 @@ class EngineArgs:
     def _structured_outputs(self, runner_type: str) -> StructuredOutputsConfig:
         from .structured_output import parse_structured_outputs_config
 
-        if self.structured_outputs_config is not None and runner_type != "generate":
+        if self.structured_outputs_config and runner_type != "generate":
             raise InvalidParamError(
                 "structured_outputs_config applies to generation models; pooling models "
                 "(embed / classify / score) generate no text: drop it"

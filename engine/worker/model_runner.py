@@ -152,7 +152,9 @@ class ModelRunner:
         or seeded random weights with `load_format="dummy"` (the same at every load)."""
         config = self.config
         model_kwargs = {} if self.tp is None else {"tp": self.tp}
-        self.model = None  # the old weights go before the new ones arrive
+        if self.model is not None:  # the old weights go before the new ones arrive
+            self.decode_graphs = None  # (its graphs read them)
+            self.model = None
         self.model = build_model(
             get_model_class(config.model.architecture),
             Path(path or config.model.path),

@@ -323,6 +323,9 @@ def test_llm_takes_all_of_vllms_options_at_their_defaults(llama, llm):
     assert (config.cache.block_size, config.cache.enable_prefix_caching) == (16, True)
     assert config.scheduler.enable_chunked_prefill and config.scheduler.policy == "fcfs"
     every.shutdown()
+    pooling = LLM("sentence-transformers/all-MiniLM-L6-v2", **VLLM_026_DEFAULTS)
+    assert pooling.embed_matrix(["hello"]).shape == (1, 384)
+    pooling.shutdown()
 
 
 def test_model_config_attributes_scripts_read(llm, llama):
