@@ -194,10 +194,10 @@ class RunnerSleep:
             else:
                 self.runner.reload_weights_from_checkpoint()
             self.asleep.discard("weights")
-        if "kv_cache" in wanted:
+        if "kv_cache" in wanted:  # (captures the graphs when the weights are back)
             self.runner.restore_device_state()
             self.asleep.discard("kv_cache")
-        if "weights" in wanted:
+        elif "weights" in wanted:
             self.runner.on_weights_restored()
         if not self.asleep:
             self.level = 0
