@@ -210,10 +210,16 @@ class PoolingMixin(PoolingInputsMixin):
         `pooler_config={"task": "token_embed"}`). Another task raises vLLM's error."""
         check_unsupported_options(lora_request)
         if pooling_task == "token_classify":
+            runner = self._pooling_runner("encode", None)
+            phrase = (
+                ""
+                if "classify" in runner.supported_tasks
+                else " (Classification API is not supported by this model.)"
+            )
             raise InvalidParamError(
                 "pooling_task='token_classify' (a label per token, for *ForTokenClassification "
                 "checkpoints) is not supported; use 'token_embed' for every token's vector, "
-                "or 'classify' for one label per prompt"
+                f"or 'classify' for one label per prompt{phrase}"
             )
         if pooling_task not in ("embed", "classify", "token_embed"):
             raise InvalidParamError(
