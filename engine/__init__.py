@@ -1,7 +1,13 @@
 """batchlm's engine: the vLLM-compatible `LLM` API and the engine core behind it."""
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .errors import EngineDeadError, InvalidParamError, InvalidPromptError, ModelNotFoundError
+from .errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    InvalidParamError,
+    InvalidPromptError,
+    ModelNotFoundError,
+)
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import (
@@ -43,6 +49,7 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchSequence",
     "EngineDeadError",
+    "EngineSleepingError",
     "InvalidParamError",
     "InvalidPromptError",
     "ModelNotFoundError",

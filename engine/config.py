@@ -51,6 +51,22 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """A pooling model's engine-wide pooling (`LLM(pooler_config=...)`, vLLM's keys)."""
+
+    task: str | None = None
+    """The task the model serves (`embed`, `classify`, `token_embed`); None: the model's."""
+    pooling_type: str | None = None
+    """`CLS`, `MEAN` or `LAST` over each input's tokens; None: the checkpoint's
+    (sentence-transformers' Pooling module, else the model's default)."""
+    use_activation: bool | None = None
+    """The default of `PoolingParams.use_activation` (normalised embeddings, softmax /
+    sigmoid probabilities); None: True."""
+    dimensions: int | None = None
+    """The default of `PoolingParams.dimensions` (matryoshka truncation)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What model runs and at which precision / length."""
 
@@ -92,11 +108,79 @@ class ModelConfig:
     """`auto` reads the checkpoint's safetensors files; `dummy` (vLLM's name) builds the
     model from config.json alone with seeded random weights, reading no weight file (for
     trying out shapes, profiling and tests)."""
+    enable_sleep_mode: bool = False
+    """`LLM.sleep` may free the engine's device memory (weights to host memory or dropped,
+    KV cache and CUDA graphs freed) and `wake_up` restore it, as in vLLM."""
+    max_logprobs: int = 20
+    """Most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's default 20; -1: no
+    limit)."""
+    pooler_config: PoolerConfig | None = None
+    """Pooling models: the engine-wide pooling type and request defaults
+    (`LLM(pooler_config=...)`); None keeps the checkpoint's."""
+    embedding_size: int = 0
+    """Width of the model's embeddings (config.json's `embedding_size`, else the last
+    sentence-transformers Dense module's output, else the hidden size)."""
 
     @property
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []
         return archs[0] if archs else ""
+
+    # ---- vLLM's ModelConfig readers (scripts read these from `llm.model_config`) -------
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])
+
+    @property
+    def hf_text_config(self) -> Any:
+        """The language model's config (already the text config for multimodal folders)."""
+        return self.hf_config
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer's folder."""
+        return self.tokenizer_path
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model
+
+    @property
+    def is_matryoshka(self) -> bool:
+        return bool(getattr(self.hf_config, "matryoshka_dimensions", None)) or bool(
+            getattr(self.hf_config, "is_matryoshka", False)
+        )
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        return getattr(self.hf_config, "matryoshka_dimensions", None)
+
+    def get_vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def get_hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
+
+    def get_head_size(self) -> int:
+        hf = self.hf_config
+        head_dim = getattr(hf, "head_dim", None)
+        return int(head_dim or hf.hidden_size // hf.num_attention_heads)
+
+    def get_total_num_kv_heads(self) -> int:
+        hf = self.hf_config
+        return int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+
+    def get_total_num_hidden_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    def get_sliding_window(self) -> int | None:
+        return getattr(self.hf_config, "sliding_window", None)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The default sampling values that differ from `SamplingParams()`'s (the
+        generation config's, with `override_generation_config` applied)."""
+        return dict(self.generation_defaults.sampling)
 
 
 @dataclass(frozen=True)
@@ -136,6 +220,11 @@ class SchedulerConfig:
     """Schedule and launch step N+1 before step N's tokens reach the host: the tokens a
     request has not seen yet are read on the device, and step N's outputs are processed
     while N+1 runs (see `LLMEngine.step`)."""
+    policy: str = "fcfs"
+    """`fcfs`: waiting requests start in order of arrival, and a full KV cache preempts
+    the newest running one. `priority`: waiting requests start by their `priority` (lower
+    first), ties by arrival, and a full KV cache preempts the running request with the
+    largest (priority, arrival), as in vLLM."""
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import envs
+from .checkpoint_options import (
+    allows_longer_context,
+    apply_hf_overrides,
+    embedding_size,
+    generation_overrides,
+    load_hf_config,
+)
 from .config import (
     CacheConfig,
     DeviceConfig,
@@ -17,6 +25,7 @@ from .config import (
     GenerationDefaults,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -24,6 +33,7 @@ from .config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from .device_options import resolve_attention_backend, resolve_device
 from .errors import InvalidParamError
 from .loader import resolve_model
 from .loader.resolve import resolve_tokenizer
@@ -41,15 +51,15 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     trust_remote_code: bool = False
-    block_size: int = 16
+    block_size: int | None = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = True
     async_scheduling: bool | None = None
     device: str = "auto"
     attention_backend: str | None = None
@@ -76,16 +86,54 @@ class EngineArgs:
     prompt_lookup_max: int | None = None
     generation_config: str = "auto"
     structured_outputs_config: dict[str, Any] | None = None
+    scheduling_policy: str = "fcfs"
+    enable_sleep_mode: bool = False
+    distributed_executor_backend: str | None = None
+    device_ids: list[int] | None = None
+    tokens_only: bool = False
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
+    override_generation_config: dict[str, Any] | None = None
+    max_logprobs: int = 20
+    pooler_config: Any = None
+
+    def __post_init__(self) -> None:
+        # vLLM's None for these means "the engine's default".
+        if self.block_size is None:
+            self.block_size = 16
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = True
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = True
+        if self.max_model_len in (-1, "auto"):  # vLLM: the model's, where it fits
+            self.max_model_len = None
+        if self.tokens_only:
+            self.skip_tokenizer_init = True
+        if self.load_format == "safetensors":  # vLLM's name of what "auto" reads here
+            self.load_format = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        """The options of `LLM(model, **kwargs)`: batchlm's fields, and every other option
+        of vLLM's `EngineArgs` as `vllm_options.VLLM_OPTIONS` says (no effect, or refused
+        unless at vLLM's default).
+
+        Raises:
+            TypeError: a keyword that is neither (it lists the valid ones).
+            InvalidParamError: a vLLM option batchlm refuses, set to another value than
+                vLLM's default (the message says what to use).
+        """
+        from .vllm_options import VLLM_OPTIONS, apply_vllm_option
+
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - known - set(VLLM_OPTIONS))
         if unknown:
             raise TypeError(
                 f"LLM() got unknown keyword argument(s) {unknown}; valid ones: "
-                f"{', '.join(sorted(known - {'model'}))}"
+                f"{', '.join(sorted(known - {'model'}))} (and the other options of vLLM's "
+                "EngineArgs, see batchlm.engine.vllm_options)"
             )
+        for name in [n for n in kwargs if n not in known]:
+            apply_vllm_option(name, kwargs.pop(name))
         return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
@@ -94,8 +142,10 @@ class EngineArgs:
             raise InvalidParamError(f"model={self.model!r} must be a path or a model name")
         path = resolve_model(str(self.model), self.revision)
         tokenizer_path = self._tokenizer_path(path)
-        hf_config = _load_hf_config(path, self.trust_remote_code)
-        device, device_ids = self._device()
+        hf_config = apply_hf_overrides(
+            load_hf_config(path, self.trust_remote_code), self.hf_overrides
+        )
+        device, device_ids = resolve_device(self.device, self.device_ids, self.tensor_parallel_size)
         dtype = resolve_dtype(self.dtype, config_torch_dtype(hf_config), device)
         if self.dtype == "auto" and device.type == "cpu":
             logger.info("dtype='auto' on CPU runs float32: half-precision matmuls are slow on CPUs")
@@ -107,7 +157,7 @@ class EngineArgs:
             # Positions start after the padding index.
             derived_len -= int(getattr(hf_config, "pad_token_id", 1) or 1) + 1
         max_model_len = self.max_model_len or derived_len
-        if max_model_len > derived_len and not _allows_longer(hf_config):
+        if max_model_len > derived_len and not allows_longer_context(hf_config):
             raise InvalidParamError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{derived_len}; lower it or use a model with rope scaling"
@@ -121,7 +171,8 @@ class EngineArgs:
                 f"max_num_batched_tokens={max_batched} < max_model_len={max_model_len} needs "
                 "chunked prefill; set enable_chunked_prefill=True or raise max_num_batched_tokens"
             )
-        backend = self._attention_backend(device)
+        backend = resolve_attention_backend(self.attention_backend, device)
+        self._check_executor_backend()
         speculative = self._speculative(runner_type, dtype, max_model_len, device)
         generation_defaults = self._generation_defaults(path, hf_config, runner_type)
         return EngineConfig(
@@ -142,6 +193,10 @@ class EngineArgs:
                 quantization=quantization,
                 generation_defaults=generation_defaults,
                 load_format=self.load_format,
+                enable_sleep_mode=self.enable_sleep_mode,
+                max_logprobs=self.max_logprobs,
+                pooler_config=self._pooler_config(runner_type),
+                embedding_size=embedding_size(path, hf_config, runner_type),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -156,6 +211,7 @@ class EngineArgs:
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=self._async_scheduling(runner_type, device, speculative),
+                policy=self.scheduling_policy,
             ),
             device=DeviceConfig(
                 device=device,
@@ -175,10 +231,48 @@ class EngineArgs:
             structured_outputs=self._structured_outputs(runner_type),
         )
 
+    def _check_executor_backend(self) -> None:
+        """vLLM's `distributed_executor_backend`: the ranks of tensor_parallel_size > 1 are
+        processes spawned by the engine, which is what "mp" asks for; "ray" (Ray workers
+        in vLLM) gets the same ranks as processes; "uni" (one process) needs one rank."""
+        backend = self.distributed_executor_backend
+        if backend in (None, "mp"):
+            return
+        if backend == "uni":
+            if self.tensor_parallel_size != 1:
+                raise InvalidParamError(
+                    f"distributed_executor_backend='uni' runs one rank in this process, but "
+                    f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' (or None)"
+                )
+            return
+        if backend == "ray":
+            logger.info(
+                "distributed_executor_backend='ray': the tensor-parallel ranks run as "
+                "processes this engine spawns (no Ray cluster is used)"
+            )
+            return
+        raise InvalidParamError(
+            f"distributed_executor_backend={backend!r} is not supported: ranks are processes "
+            "the engine spawns ('mp', or None); an external launcher (torchrun) or a custom "
+            "executor class cannot drive them"
+        )
+
+    def _pooler_config(self, runner_type: str) -> PoolerConfig | None:
+        from .pooling_params import parse_pooler_config
+
+        config = parse_pooler_config(self.pooler_config)
+        if config is not None and runner_type != "pooling":
+            raise InvalidParamError(
+                "pooler_config applies to pooling models; load the model with "
+                "runner='pooling' (a generative checkpoint: convert='embed' or 'classify'), "
+                "or drop pooler_config"
+            )
+        return config
+
     def _structured_outputs(self, runner_type: str) -> StructuredOutputsConfig:
         from .structured_output import parse_structured_outputs_config
 
-        if self.structured_outputs_config is not None and runner_type != "generate":
+        if self.structured_outputs_config and runner_type != "generate":
             raise InvalidParamError(
                 "structured_outputs_config applies to generation models; pooling models "
                 "(embed / classify / score) generate no text: drop it"
@@ -193,6 +287,14 @@ class EngineArgs:
         from .sampling_params import SamplingParams
 
         defaults = read_generation_defaults(self.generation_config, path, hf_config)
+        if self.override_generation_config:
+            defaults = dataclasses.replace(
+                defaults,
+                sampling={
+                    **defaults.sampling,
+                    **generation_overrides(self.override_generation_config),
+                },
+            )
         if runner_type != "generate" or not defaults.sampling:
             return defaults
         try:
@@ -319,7 +421,7 @@ class EngineArgs:
         from .models.registry import is_generative
 
         path = resolve_model(model)
-        hf_config = _load_hf_config(path, self.trust_remote_code)
+        hf_config = load_hf_config(path, self.trust_remote_code)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs or not is_generative(archs[0]):
             raise UnsupportedModelError(
@@ -327,7 +429,7 @@ class EngineArgs:
                 f"generate; supported: {', '.join(_supported())}"
             )
         draft_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-        if draft_len < max_model_len and not _allows_longer(hf_config):
+        if draft_len < max_model_len and not allows_longer_context(hf_config):
             raise InvalidParamError(
                 f"draft model {model!r} handles {draft_len} positions, fewer than "
                 f"max_model_len={max_model_len}; lower max_model_len or use another draft"
@@ -357,74 +459,6 @@ class EngineArgs:
         if self.chat_template is None or is_template_name(self.chat_template):
             return self.chat_template
         return load_chat_template(self.chat_template)
-
-    def _device(self) -> tuple[torch.device, tuple[int, ...]]:
-        """The engine's device (rank 0's), and with `device="cuda:2,3"` each rank's CUDA
-        device index (one per rank of `tensor_parallel_size`)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu"), ()
-        text = str(self.device)
-        device_ids: tuple[int, ...] = ()
-        if text.startswith("cuda:") and "," in text:
-            parts = text[len("cuda:") :].split(",")
-            if not all(p.strip().isdigit() for p in parts):
-                raise InvalidParamError(
-                    f"device={text!r} is not a device list; write one CUDA index per rank, "
-                    "e.g. 'cuda:2,3'"
-                )
-            device_ids = tuple(int(p) for p in parts)
-            if len(device_ids) != self.tensor_parallel_size or len(set(device_ids)) != len(
-                device_ids
-            ):
-                raise InvalidParamError(
-                    f"device={text!r} names {len(device_ids)} device(s) for "
-                    f"tensor_parallel_size={self.tensor_parallel_size}; name one distinct "
-                    "CUDA index per rank"
-                )
-            text = f"cuda:{device_ids[0]}"
-        try:
-            device = torch.device(text)
-        except (RuntimeError, TypeError) as e:
-            raise InvalidParamError(
-                f"device={self.device!r} is not a device; use 'cpu' or 'cuda'"
-            ) from e
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidParamError(f"device={self.device!r} but CUDA is not available; use 'cpu'")
-        if device.type not in ("cpu", "cuda"):
-            raise InvalidParamError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
-        count = torch.cuda.device_count() if device.type == "cuda" else 0
-        bad = [i for i in device_ids if i >= count]
-        if bad:
-            raise InvalidParamError(
-                f"device={self.device!r} names CUDA device {bad[0]}, but {count} are visible"
-            )
-        return device, device_ids
-
-    def _attention_backend(self, device: torch.device) -> str:
-        """`attention_backend=`, else BATCHLM_ATTENTION_BACKEND, else triton on CUDA (when
-        installed) and torch on CPU."""
-        import importlib.util
-
-        has_triton = importlib.util.find_spec("triton") is not None
-        backend = self.attention_backend or envs.attention_backend()
-        if backend is None:
-            return "triton" if device.type == "cuda" and has_triton else "torch"
-        if backend not in ("torch", "triton"):
-            raise InvalidParamError(
-                f"attention_backend={backend!r} is unknown; use 'torch' or 'triton'"
-            )
-        if backend == "triton" and not has_triton:
-            raise InvalidParamError(
-                "attention_backend='triton' needs the triton package; pip install triton, "
-                "or use attention_backend='torch'"
-            )
-        if backend == "triton" and device.type == "cpu" and not envs.triton_interpret():
-            raise InvalidParamError(
-                "attention_backend='triton' on CPU runs only in Triton's interpreter (slow, "
-                "for tests): set TRITON_INTERPRET=1 before starting Python, or use "
-                "attention_backend='torch' (the CPU default)"
-            )
-        return backend
 
     def validate(self) -> None:
         """Checks every option's value on its own (no model file is read);
@@ -476,6 +510,17 @@ class EngineArgs:
                     "them off; drop one of the two"
                 )
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("enable_sleep_mode", "tokens_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidParamError(
+                f"scheduling_policy={self.scheduling_policy!r} is unknown; Input should be "
+                "'fcfs' or 'priority'"
+            )
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
+            raise InvalidParamError(f"max_logprobs={m!r} must be an integer >= -1 (-1: no limit)")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidParamError(
                 f"load_format={self.load_format!r} is not supported; use one of "
@@ -504,6 +549,9 @@ class EngineArgs:
             raise InvalidParamError(str(e)) from e
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's `scheduling_policy` values (see `SchedulerConfig.policy`)."""
+
 LOAD_FORMATS = ("auto", "dummy")
 """`auto`: the checkpoint's safetensors files; `dummy`: random weights, from config.json alone."""
 
@@ -530,52 +578,7 @@ def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> in
     return 8192
 
 
-def _load_hf_config(path: Path, trust_remote_code: bool) -> Any:
-    """The transformers config, with a clear error for architectures that need remote code."""
-    import json
-
-    from transformers import AutoConfig
-
-    from .errors import UnsupportedModelError
-    from .models.registry import what_is_supported
-
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UnsupportedModelError(
-            f"{path / 'config.json'} is not valid JSON ({e}); the model folder is damaged: "
-            "copy it again or pass another model"
-        ) from None
-    if "auto_map" in raw and raw.get("model_type") not in _known_model_types():
-        raise UnsupportedModelError(
-            f"{path} declares its own modelling code (auto_map: {sorted(raw['auto_map'])}); "
-            "batchlm never runs code shipped with a checkpoint"
-            + ("" if trust_remote_code else " (trust_remote_code=True does not change that)")
-            + f". {what_is_supported()}"
-        )
-    from .models.registry import text_config_of
-
-    try:
-        return text_config_of(AutoConfig.from_pretrained(str(path), local_files_only=True))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        # transformers' config classes raise all of these on values they do not take.
-        raise UnsupportedModelError(
-            f"cannot read {path / 'config.json'}: {str(e).rstrip('.')}. {what_is_supported()}"
-        ) from e
-
-
-def _known_model_types() -> set[str]:
-    from transformers import CONFIG_MAPPING
-
-    return set(CONFIG_MAPPING.keys())
-
-
 def _supported() -> list[str]:
     from .models.registry import supported_architectures
 
     return supported_architectures()
-
-
-def _allows_longer(hf_config: Any) -> bool:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    return bool(params) and (params.get("rope_type") or params.get("type")) not in (None, "default")

@@ -1,19 +1,24 @@
 """What the two engines share (`LLMEngine` generates, `PoolingEngine` pools): the
-configuration, the tokenizer, the metrics, `collective_rpc` and shutdown.
+configuration, the tokenizer, the metrics, `collective_rpc`, sleep mode and shutdown.
 
 `LLM` builds the one its model's runner needs and checks, per method, that it has it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .core.scheduler import SchedulerStats
 from .metrics import EngineMetrics
+from .sleep_mode import EngineSleep
 from .tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class EngineBase(ABC):
@@ -38,6 +43,72 @@ class EngineBase(ABC):
         if not config.disable_log_stats:
             self.metrics = EngineMetrics(mc.model, mc.max_model_len, self.stats)
         self.is_shut_down = False
+        self.sleep_state = EngineSleep(config.model.enable_sleep_mode)
+        """Sleep mode: what is asleep (`sleep`, `wake_up`, `is_sleeping`)."""
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's configuration (vLLM's `llm_engine.model_config`)."""
+        return self.config.model
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- sleep mode -------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause scheduling (level 0), and free the device memory of every rank (level 1:
+        weights to host memory, KV cache and CUDA graphs freed; level 2: weights dropped
+        too). `mode` settles the unfinished requests first: `abort` ends them (their outputs,
+        finish reason "abort", come back from the next wait), `wait` runs them to the end,
+        `keep` keeps them queued (recomputed after waking). See `sleep_mode.py`."""
+        state = self.sleep_state
+        state.check_sleep(level, mode)
+        self._settle_requests(mode, level)
+        state.is_paused = True
+        if level == 0:
+            return
+        if state.asleep:
+            logger.warning("the engine is already asleep (level %d); sleep ignored", state.level)
+            return
+        start = time.perf_counter()
+        freed = self._sleep_ranks(level)
+        state.fall_asleep(level)
+        logger.info(
+            "sleep(level=%d) took %.3f s and freed %.2f GiB of device memory",
+            level,
+            time.perf_counter() - start,
+            freed / 2**30,
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed (`tags`: `weights`, `kv_cache`, `scheduling`; None:
+        everything); scheduling resumes once no memory is asleep."""
+        memory_tags = self.sleep_state.tags_to_wake(tags)
+        if memory_tags:
+            start = time.perf_counter()
+            self._wake_ranks(memory_tags)
+            self.sleep_state.woke(memory_tags)
+            logger.info("wake_up(%s) took %.3f s", memory_tags, time.perf_counter() - start)
+        if not self.sleep_state.asleep:
+            self.sleep_state.is_paused = False
+            self.sleep_state.level = 0
+
+    def is_sleeping(self) -> bool:
+        """True from `sleep` (any level) until everything is awake again."""
+        return self.sleep_state.is_sleeping
+
+    @abstractmethod
+    def _settle_requests(self, mode: str, level: int) -> None:
+        """Before a sleep: end, finish or keep the unfinished requests (`mode`)."""
+
+    @abstractmethod
+    def _sleep_ranks(self, level: int) -> int:
+        """Free every rank's device memory; the bytes rank 0's device got back."""
+
+    @abstractmethod
+    def _wake_ranks(self, tags: list[str]) -> None:
+        """Restore the memory `tags` names on every rank."""
 
     @abstractmethod
     def collective_rpc(

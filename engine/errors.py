@@ -22,3 +22,8 @@ class UnsupportedModelError(ValueError):
 class EngineDeadError(RuntimeError):
     """The engine cannot continue: a tensor-parallel worker died or failed, or the engine was
     shut down. The message says which rank and why; build a new `LLM`."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (`LLM.sleep`): its device memory or its scheduling is paused.
+    The message says what `wake_up` call brings it back; nothing queued is lost."""

@@ -23,11 +23,19 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptType = str | TextPrompt | TokensPrompt
+class PoolingTokensPrompt(TokensPrompt):
+    """A cross-encoder's input as token ids with their segment ids (pooling calls only)."""
+
+    token_type_ids: NotRequired[list[int]]
+
+
+PromptType = str | TextPrompt | TokensPrompt | list[int]
+"""A text, a prompt dict, or (as in vLLM) a bare list of token ids: one prompt."""
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 """The keys a prompt dict may hold; vLLM's others (`multi_modal_data`, `mm_processor_kwargs`,
-`cache_salt`, `prompt_embeds`, ...) are refused rather than dropped."""
+`cache_salt`, `prompt_embeds`, ...) are refused rather than dropped. Pooling calls also
+take `token_type_ids` with `prompt_token_ids`."""
 
 _UNSUPPORTED_KEYS = {
     "multi_modal_data": "images, audio and video inputs are not supported (text models only)",
@@ -54,26 +62,26 @@ def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptErr
         ) from None
 
 
-def check_unsupported_options(lora_request: Any = None, priority: Any = None) -> None:
-    """vLLM's per-call `lora_request` and `priority`: None (their default) is accepted, so
-    that vLLM code runs unchanged; anything else is refused, naming the value."""
+def check_unsupported_options(lora_request: Any = None) -> None:
+    """vLLM's per-call `lora_request`: None (its default) is accepted, so that vLLM code
+    runs unchanged; anything else is refused, naming the value."""
     if lora_request is not None:
         raise InvalidParamError(
             f"lora_request={lora_request!r}: LoRA adapters are not supported; merge the "
             "adapter into the base weights (for example peft's merge_and_unload) and load "
             "the merged folder"
         )
-    if priority is not None:
-        raise InvalidParamError(
-            f"priority={priority!r}: requests are scheduled first come, first served (there "
-            "is no priority scheduling); leave priority=None"
-        )
 
 
-def _check_prompt_keys(prompt: dict, index: int) -> None:
+def _check_prompt_keys(prompt: dict, index: int, token_types: bool) -> None:
     """A prompt dict holds only keys batchlm acts on: a key it would ignore is refused, so
     that no input is silently run as something else (an image prompt as its text alone)."""
-    unknown = [k for k in prompt if k not in PROMPT_KEYS]
+    if "token_type_ids" in prompt and not token_types:
+        raise InvalidPromptError(
+            f"prompts[{index}] has token_type_ids, which only cross-encoders read (score / "
+            "classify / embed); a generative model takes prompt_token_ids alone"
+        )
+    unknown = [k for k in prompt if k not in PROMPT_KEYS and k != "token_type_ids"]
     if not unknown:
         return
     key = unknown[0]
@@ -92,8 +100,14 @@ def _all_ints(ids: list | tuple) -> bool:
     )
 
 
-def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[str, Any]]:
-    """One dict per prompt with either `prompt` or `prompt_token_ids`.
+def normalize_prompts(
+    prompts: PromptType | Sequence[PromptType], token_types: bool = False
+) -> list[dict[str, Any]]:
+    """One dict per prompt with either `prompt` or `prompt_token_ids` (and, with
+    `token_types`, a TokensPrompt's `token_type_ids`).
+
+    As in vLLM, a string, a dict or a non-empty list of ints is one prompt; a list of them
+    (lists of ints included) is many.
 
     Raises:
         InvalidPromptError: naming the index of a prompt of the wrong type.
@@ -103,7 +117,9 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
             f"prompts is {type(prompts).__name__} ({bytes(prompts)!r:.40}); decode it to a "
             "string first (prompts.decode('utf-8'))"
         )
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and _all_ints(prompts)
+    ):
         prompts = [prompts]
     if not isinstance(prompts, Sequence):
         raise InvalidPromptError(
@@ -121,14 +137,21 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
                     f"prompts[{i}] has keys {sorted(p)}; a prompt dict needs 'prompt' (text) "
                     "or 'prompt_token_ids'"
                 )
-            _check_prompt_keys(p, i)
+            _check_prompt_keys(p, i, token_types)
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not _all_ints(ids):
                     raise InvalidPromptError(
                         f"prompts[{i}]['prompt_token_ids'] must be a list of ints"
                     )
-                out.append({"prompt_token_ids": list(ids), "prompt": p.get("prompt")})
+                prompt = {"prompt_token_ids": list(ids), "prompt": p.get("prompt")}
+                if p.get("token_type_ids") is not None:
+                    prompt["token_type_ids"] = _token_types(p["token_type_ids"], len(ids), i)
+                out.append(prompt)
+            elif "token_type_ids" in p:
+                raise InvalidPromptError(
+                    f"prompts[{i}] has token_type_ids without prompt_token_ids; pass both"
+                )
             else:
                 if not isinstance(p["prompt"], str):
                     raise InvalidPromptError(
@@ -136,9 +159,30 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[dict[s
                     )
                 check_text(p["prompt"], f"prompts[{i}]['prompt']")
                 out.append({"prompt": p["prompt"]})
+        elif isinstance(p, (list, tuple)) and p and _all_ints(p):  # token ids, as in vLLM
+            out.append({"prompt_token_ids": list(p), "prompt": None})
         else:
             raise InvalidPromptError(
-                f"prompts[{i}] is a {type(p).__name__}; pass a string, "
+                f"prompts[{i}] is a {type(p).__name__}; pass a string, a list of token ids, "
                 "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
             )
     return out
+
+
+def prompt_list(prompts: PromptType | Sequence[PromptType]) -> Sequence[PromptType]:
+    """`prompts` as a sequence of prompts (one string, dict or list of token ids is one),
+    unchecked: for counting and slicing a call's prompts before `normalize_prompts`."""
+    if isinstance(prompts, (str, dict, bytes, bytearray)) or not isinstance(prompts, Sequence):
+        return [prompts]  # type: ignore[list-item]
+    if prompts and _all_ints(prompts):
+        return [prompts]  # type: ignore[list-item]
+    return prompts
+
+
+def _token_types(types: Any, num_tokens: int, index: int) -> list[int]:
+    if not isinstance(types, (list, tuple)) or not _all_ints(types) or len(types) != num_tokens:
+        raise InvalidPromptError(
+            f"prompts[{index}]['token_type_ids'] must be a list of {num_tokens} ints, one per "
+            "prompt token"
+        )
+    return list(types)

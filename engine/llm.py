@@ -13,9 +13,10 @@ import torch
 from .beam_search import BeamSearchOutput, BeamSearchParams
 from .beam_search import beam_search as run_beam_search
 from .engine_args import EngineArgs
-from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
+from .errors import EngineDeadError, InvalidParamError
 from .gc_freeze import gc_heap_frozen
-from .inputs import PromptType, check_text, check_unsupported_options, normalize_prompts
+from .generation_inputs import prepare_requests, require_tokenizer
+from .inputs import PromptType, check_text, check_unsupported_options
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
 from .metrics import Metric
@@ -70,7 +71,10 @@ class LLM(PoolingMixin):
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
             `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
-            `metrics_port`, ...). An unknown name raises `TypeError` listing the valid ones.
+            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, ...), and every other
+            option of vLLM 0.26's `EngineArgs` as `vllm_options.VLLM_OPTIONS` says (no
+            effect, or refused unless at vLLM's default). A name that is neither raises
+            `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -140,6 +144,10 @@ class LLM(PoolingMixin):
         config = self.engine_args.create_engine_config()
         engine_cls = PoolingEngine if config.model.runner_type == "pooling" else LLMEngine
         self.llm_engine: LLMEngine | PoolingEngine = engine_cls(config)
+        self.model_config = config.model
+        """The model's configuration, as vLLM's `LLM.model_config` (`hf_config`,
+        `max_model_len`, `dtype`, `runner_type`, `embedding_size`, `get_vocab_size()`, ...)."""
+        self.runner_type = config.model.runner_type
         self._request_counter = itertools.count()
         self._enqueued: list[str] = []
         # Runs once: on shutdown(), when the LLM is garbage collected, or at exit.
@@ -236,6 +244,43 @@ class LLM(PoolingMixin):
         """The transformers tokenizer (None with `skip_tokenizer_init=True`)."""
         return self.llm_engine.tokenizer
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The ranks the model runs on (`tensor_parallel_size`; there is no data parallelism)."""
+        return self.llm_engine.config.parallel.tensor_parallel_size
+
+    # ---- sleep mode -------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep, as in vLLM (`sleep_mode.py` has the details).
+
+        Args:
+            level: 0 pauses scheduling (requests may still be enqueued); 1 also moves the
+                weights to host memory and frees the KV cache and CUDA graphs; 2 frees the
+                weights too (read again from the checkpoint on waking). Levels 1 and 2 need
+                `LLM(..., enable_sleep_mode=True)`.
+            mode: The requests not finished yet: `abort` ends them (their outputs, finish
+                reason "abort", come from the next `wait_for_completion`), `wait` runs
+                them to the end first, `keep` keeps them queued.
+
+        Example:
+            >>> llm = LLM(model, enable_sleep_mode=True)
+            >>> llm.sleep(level=1)          # the device memory goes back to the device
+            >>> llm.wake_up()               # and comes back; outputs as before
+        """
+        self._check_open()
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine up: `tags` None restores everything; `["weights"]`,
+        `["kv_cache"]` restore one part (call with the other before running again),
+        `["scheduling"]` ends a level-0 pause."""
+        self._check_open()
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (any level, until fully awake)."""
+        return self.llm_engine.is_sleeping()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests are running. A pooling
         model keeps no KV cache: True, with nothing to forget."""
@@ -260,13 +305,14 @@ class LLM(PoolingMixin):
         Args:
             use_tqdm: Show a progress bar; a callable (say `functools.partial(tqdm,
                 leave=False)`) makes the bar, as in vLLM.
-            lora_request, priority: vLLM's; only None (LoRA adapters and priority
-                scheduling are not supported).
+            lora_request: vLLM's; only None (LoRA adapters are not supported).
+            priority: One int per prompt: with `LLM(scheduling_policy="priority")`, lower
+                values are scheduled first (and preempted last); under "fcfs" only zeros.
         """
-        check_unsupported_options(lora_request, priority)
-        self._require_generation("generate")
+        check_unsupported_options(lora_request)
+        self._require_generation("generate").sleep_state.check_awake("generate()")
         with gc_heap_frozen():
-            request_ids = self._add_prompts(prompts, sampling_params)
+            request_ids = self._add_prompts(prompts, sampling_params, priority=priority)
             return self._run_engine(request_ids, use_tqdm)
 
     def enqueue(
@@ -281,11 +327,11 @@ class LLM(PoolingMixin):
 
         `wait_for_completion()` runs the engine and returns every enqueued request's output.
         `use_tqdm` shows the requests being added (a bool or a bar factory); `lora_request`
-        and `priority` as in `generate` (None only).
+        and `priority` as in `generate`. Requests may be enqueued while the engine sleeps.
         """
-        check_unsupported_options(lora_request, priority)
+        check_unsupported_options(lora_request)
         self._require_generation("enqueue")
-        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm)
+        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm, priority)
         self._enqueued.extend(request_ids)
         return request_ids
 
@@ -298,6 +344,8 @@ class LLM(PoolingMixin):
             output_type: If given, only outputs of this type are returned (vLLM parity).
             use_tqdm: Show a progress bar.
         """
+        self._check_open()
+        self.llm_engine.sleep_state.check_awake("wait_for_completion()")
         request_ids, self._enqueued = self._enqueued, []
         with gc_heap_frozen():
             outputs = self._run_engine(request_ids, use_tqdm)
@@ -316,8 +364,10 @@ class LLM(PoolingMixin):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the chat template.
+        """Generate replies to one conversation or a list of them, via the chat template;
+        `priority` (one int per conversation) as in `generate`.
 
         Example:
             >>> llm.chat([{"role": "user", "content": "Name three colours."}])
@@ -330,7 +380,13 @@ class LLM(PoolingMixin):
             continue_final_message,
             tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(
+            prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            priority=priority,
+        )
 
     def enqueue_chat(
         self,
@@ -413,119 +469,37 @@ class LLM(PoolingMixin):
             raise InvalidParamError(
                 f"{method}() needs a generative model, but this one was loaded for pooling "
                 f"({engine.pooling_runner.task}); use embed / classify / score / "
-                "encode, or load a *ForCausalLM checkpoint with runner='generate'"
+                "encode, or load a *ForCausalLM checkpoint with runner='generate' "
+                f"(LLM.{method}() is only supported for generative models. Try passing "
+                "`--runner generate` to use the model as a generative model.)"
             )
         return engine
 
     def _require_tokenizer(self, what: str) -> Any:
-        tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None:
-            raise InvalidPromptError(
-                f"{what} needs a tokenizer, but the engine was built with "
-                "skip_tokenizer_init=True; pass TokensPrompt inputs or drop that option"
-            )
-        return tokenizer
+        return require_tokenizer(self.llm_engine, what)
 
     def _add_prompts(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any] = False,
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
-        prompt_dicts = normalize_prompts(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompt_dicts))
-        token_lists = self._tokenize(prompt_dicts)
-        for i, params in enumerate(params_list):
-            token_lists[i] = self._validate_request(i, token_lists[i], params)
         engine = self.llm_engine
+        requests = prepare_requests(
+            engine, prompts, sampling_params, priority, self.get_default_sampling_params()
+        )
         request_ids = []
-        bar = progress_bar(use_tqdm, len(prompt_dicts), "Adding requests", "it")
+        bar = progress_bar(use_tqdm, len(requests), "Adding requests", "it")
         try:
-            for p, ids, params in zip(prompt_dicts, token_lists, params_list, strict=True):
+            for r in requests:
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, ids, params, p.get("prompt"))
+                engine.add_request(rid, r.prompt_token_ids, r.params, r.prompt, r.priority)
                 request_ids.append(rid)
                 bar.update(1)
         finally:
             bar.close()
         return request_ids
-
-    def _params_per_prompt(
-        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [self.get_default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * n
-        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
-            if len(sampling_params) != n:
-                raise InvalidParamError(
-                    f"got {len(sampling_params)} sampling_params for {n} prompts; pass one "
-                    "SamplingParams for all or exactly one per prompt"
-                )
-            for i, p in enumerate(sampling_params):
-                if not isinstance(p, SamplingParams):
-                    raise InvalidParamError(
-                        f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams"
-                    )
-            params_list = list(sampling_params)
-        else:
-            raise InvalidParamError(
-                f"sampling_params must be a SamplingParams or a list of them, "
-                f"got {type(sampling_params).__name__}"
-            )
-        # Vocabulary-dependent checks and grammars, once per distinct params object (named
-        # by the first prompt that uses it).
-        vocab = self.llm_engine.vocab_size
-        first_use: dict[int, tuple[int, SamplingParams]] = {}
-        for index, params in enumerate(params_list):
-            first_use.setdefault(id(params), (index, params))
-        for index, params in first_use.values():
-            if params.bad_words:
-                params.resolve_bad_words(self._require_tokenizer("bad_words"))
-            params.verify_token_ids(vocab)
-            self.llm_engine.structured.validate(params, index)
-        return params_list
-
-    def _tokenize(self, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:
-        texts = [
-            (i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p
-        ]
-        out: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
-        if texts:
-            tokenizer = self._require_tokenizer(f"the text prompt at index {texts[0][0]}")
-            encoded = tokenizer([t for _, t in texts])["input_ids"]
-            for (i, _), ids in zip(texts, encoded, strict=True):
-                out[i] = list(ids)
-        return out  # type: ignore[return-value]
-
-    def _validate_request(self, index: int, ids: list[int], params: SamplingParams) -> list[int]:
-        """Checks one prompt against the engine's limits; returns its (truncated) token ids."""
-        max_len = self.llm_engine.config.model.max_model_len
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = max_len if keep == -1 else keep
-            if keep > max_len:
-                raise InvalidParamError(
-                    f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}"
-                )
-            ids = ids[-keep:]
-        if not ids:
-            raise InvalidPromptError(
-                f"prompts[{index}] is empty; a prompt needs at least one token"
-            )
-        if len(ids) > max_len:
-            raise InvalidPromptError(
-                f"prompts[{index}] has {len(ids)} tokens, more than max_model_len={max_len}; "
-                "shorten it, raise max_model_len, or set truncate_prompt_tokens"
-            )
-        vocab = self.llm_engine.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # C speed; then the first bad id, for the message
-            bad = next(t for t in ids if t < 0 or t >= vocab)
-            raise InvalidPromptError(
-                f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab})"
-            )
-        return ids
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]

@@ -158,10 +158,11 @@ class LLMEngine(EngineBase):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a validated request (n > 1 becomes n child requests)."""
+        """Queue a validated request (n > 1 becomes n child requests, of one priority)."""
         if params.n == 1:
-            self._add(request_id, prompt_token_ids, params, prompt, None)
+            self._add(request_id, prompt_token_ids, params, prompt, None, priority)
             return
         # Siblings always share the prompt's full blocks: with prefix caching off, a salt
         # private to this prompt keeps the sharing among them.
@@ -174,7 +175,7 @@ class LLMEngine(EngineBase):
             if params.seed is not None:
                 child.seed = params.seed + i
             self._child_parent[child_id] = (request_id, i)
-            self._add(child_id, prompt_token_ids, child, prompt, salt)
+            self._add(child_id, prompt_token_ids, child, prompt, salt, priority)
 
     def _add(
         self,
@@ -183,6 +184,7 @@ class LLMEngine(EngineBase):
         params: SamplingParams,
         prompt: str | None,
         cache_salt: int | None,
+        priority: int = 0,
     ) -> None:
         request = Request(
             request_id=request_id,
@@ -191,6 +193,7 @@ class LLMEngine(EngineBase):
             eos_token_ids=self.eos_token_ids,
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
+            priority=priority,
         )
         self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:
@@ -235,7 +238,11 @@ class LLMEngine(EngineBase):
         the next call schedules and launches the step after it first, then processes its
         outputs while that one runs, so the device does not wait for the host in between.
         The requests returned are then those that finished in the previous step.
+
+        Raises:
+            EngineSleepingError: the engine is asleep (`sleep`); nothing changes.
         """
+        self.sleep_state.check_awake("a step")
         if self.config.scheduler.async_scheduling:
             return self._step_ahead()
         if self.spec is not None:
@@ -362,6 +369,44 @@ class LLMEngine(EngineBase):
         if first.metrics is not None:
             first.metrics = RequestMetrics.merge([m for m in parent.metrics if m is not None])
         return first
+
+    # ---- sleep mode -------------------------------------------------------------------
+
+    def _settle_requests(self, mode: str, level: int) -> None:
+        if self._inflight is not None:  # a step launched ahead: its outputs first
+            inflight, self._inflight = self._inflight, None
+            for out in self._complete(inflight):
+                self.stash_output(out)
+        if mode == "wait":
+            while self.scheduler.has_unfinished_requests():
+                for out in self.step():
+                    self.stash_output(out)
+        elif mode == "abort":
+            self._abort_with_outputs(list(self.scheduler.requests))
+        elif level >= 1:  # keep: the KV cache goes, the requests are computed again later
+            self.scheduler.preempt_all()
+        if level >= 1:
+            self.kv_cache.reset_prefix_cache()
+
+    def _abort_with_outputs(self, request_ids: list[str]) -> None:
+        """End requests as aborted, keeping their outputs (finish reason "abort") for the
+        callers that wait for them."""
+        if self.metrics is not None:
+            self._record_aborts(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.structured.finish(request_ids)
+        for rid in request_ids:
+            out = self.outputs.finish(rid)
+            if rid in self._child_parent:
+                out = self._merge_child(rid, out)
+            if out is not None:
+                self.stash_output(out)
+
+    def _sleep_ranks(self, level: int) -> int:
+        return self.executor.collective_rpc("sleep", kwargs={"level": level})[0]
+
+    def _wake_ranks(self, tags: list[str]) -> None:
+        self.executor.collective_rpc("wake_up", kwargs={"tags": tags})
 
     # ---- statistics -------------------------------------------------------------------
 

@@ -44,5 +44,14 @@ class PoolingEngine(EngineBase):
         """A pooling model keeps no KV cache: nothing to forget (True, as vLLM answers)."""
         return True
 
+    def _settle_requests(self, mode: str, level: int) -> None:
+        """Pooling calls run to the end before returning: nothing is ever left unfinished."""
+
+    def _sleep_ranks(self, level: int) -> int:
+        return self.pooling_runner.sleep(level)
+
+    def _wake_ranks(self, tags: list[str]) -> None:
+        self.pooling_runner.wake_up(tags)
+
     def _release(self) -> None:
         release_runner(self.pooling_runner)

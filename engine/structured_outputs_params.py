@@ -1,8 +1,9 @@
 """`StructuredOutputsParams`: a request's output constraint, with vLLM's names.
 
 Exactly one constraint kind per request: a JSON Schema (`json`), any JSON object
-(`json_object=True`), a regular expression (`regex`), one of a list of strings (`choice`)
-or an EBNF / GBNF grammar (`grammar`). The grammar engine compiles it when the request is
+(`json_object=True`), a regular expression (`regex`), one of a list of strings (`choice`),
+an EBNF / GBNF or Lark grammar (`grammar`), or xgrammar's structural tags
+(`structural_tag`). The grammar engine compiles it when the request is
 validated (`LLM.generate` refuses one it cannot compile before any request starts); this
 module only checks types and shapes.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from .errors import InvalidParamError
 from .inputs import check_text
 
-CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The fields that name a constraint; a request sets exactly one of them."""
 
 
@@ -43,8 +44,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     """The output is exactly one of these strings."""
     grammar: str | None = None
-    """A context-free grammar: EBNF as llama.cpp's GBNF writes it (`root ::= ...`); the
-    guidance backend also reads Lark."""
+    """A context-free grammar: EBNF as llama.cpp's GBNF writes it (`root ::= ...`), or Lark
+    (no `::=` rule: the guidance backend reads it, and for xgrammar it is converted to EBNF
+    as vLLM converts it, `structured_output/lark.py`)."""
     json_object: bool | None = None
     """True: the output is any JSON object."""
     disable_any_whitespace: bool = False
@@ -57,6 +59,16 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     """JSON only: a regex for the whitespace allowed between JSON tokens (the guidance
     backend only; `backend="auto"` picks it for such requests)."""
+    structural_tag: str | dict[str, Any] | None = None
+    """xgrammar's structural tags (JSON text, or its dict): free text in which each
+    trigger opens a tagged section constrained by its own schema, either xgrammar's
+    `{"type": "structural_tag", "format": ...}` or vLLM's older `{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}`. Served by the xgrammar backend."""
+    backend: str | None = None
+    """The grammar engine of this request: None (the engine's), `xgrammar` or `guidance`.
+    Under the engine's `backend="auto"` it picks this request's backend; an engine built
+    with a named backend refuses another one, as vLLM does (the engine-level option is
+    `LLM(structured_outputs_config={"backend": ...})`)."""
 
     def __post_init__(self) -> None:
         kinds = [name for name in CONSTRAINT_KINDS if _is_set(getattr(self, name))]
@@ -82,6 +94,13 @@ class StructuredOutputsParams:
                 raise InvalidParamError(
                     f"structured_outputs.{name}={getattr(self, name)!r} must be True or False"
                 )
+        if self.structural_tag is not None:
+            self._check_structural_tag()
+        if self.backend is not None and self.backend not in ("auto", "xgrammar", "guidance"):
+            raise InvalidParamError(
+                f"structured_outputs.backend={self.backend!r} is unknown; use None (the "
+                "engine's), 'xgrammar' or 'guidance'"
+            )
         if self.whitespace_pattern is not None:
             _check_string("whitespace_pattern", self.whitespace_pattern)
             if self.kind not in ("json", "json_object"):
@@ -140,6 +159,23 @@ class StructuredOutputsParams:
             raise InvalidParamError(
                 f"structured_outputs.json must be a JSON Schema object (a dict or its JSON "
                 f"text), got {type(schema).__name__}: {schema!r:.80}"
+            )
+
+    def _check_structural_tag(self) -> None:
+        tag = self.structural_tag
+        if isinstance(tag, str):
+            _check_string("structural_tag", tag)
+            try:
+                tag = json.loads(tag)
+            except json.JSONDecodeError as e:
+                raise InvalidParamError(
+                    f"structured_outputs.structural_tag is not valid JSON ({e.msg} at line "
+                    f"{e.lineno}, column {e.colno}): {self.structural_tag!r:.80}"
+                ) from None
+        if not isinstance(tag, dict) or not tag:
+            raise InvalidParamError(
+                f"structured_outputs.structural_tag must be a JSON object (a dict or its JSON "
+                f"text), got {type(tag).__name__}: {tag!r:.80}"
             )
 
     def _check_choice(self) -> None:

@@ -56,7 +56,8 @@ class Request:
     """Every id that ends the request (unless `ignore_eos`): the tokenizer's EOS and the
     generation config's end-of-generation ids."""
     arrival_index: int
-    """Order of arrival (requests are queued first come, first served)."""
+    """Order of arrival (first come, first served; under priority scheduling, the order
+    among requests of equal priority)."""
     cache_salt: int | None = None
     """Root of this request's block-hash chain. None shares the global prefix cache; a
     private value limits sharing to requests with the same salt (the n samples of one prompt
@@ -68,6 +69,9 @@ class Request:
     it scores the whole prompt); set from its sampling params."""
     metrics: RequestMetrics | None = None
     """Timestamps, kept by the engine when it collects statistics (never by the scheduler)."""
+    priority: int = 0
+    """Under the `priority` scheduling policy, lower values start first (and are preempted
+    last); ties go by arrival. Ignored under `fcfs`."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:

@@ -1,11 +1,13 @@
 """Continuous-batching scheduler with a per-step token budget (no prefill/decode phases).
 
-Each step hands out `max_num_batched_tokens` to running requests first (oldest first), then
-to waiting ones (first come, first served). A request's `num_computed_tokens` catches up to
-its token count; a prompt longer than the remaining budget is chunked across steps. When
-the KV cache cannot grow a running request, the newest running request is preempted: its
-blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-(prefix caching usually makes that cheap).
+Each step hands out `max_num_batched_tokens` to running requests first (in the order they
+started), then to waiting ones in the waiting queue's order (`request_queue.py`: first
+come, first served, or by priority). A request's `num_computed_tokens` catches up to its
+token count; a prompt longer than the remaining budget is chunked across steps. When the
+KV cache cannot grow a running request, a running request is preempted: the newest (fcfs)
+or the one with the largest (priority, arrival) (priority policy; if it was already
+scheduled in this step, that is undone). Its blocks are freed and it goes back to the
+waiting queue, to be recomputed (prefix caching usually makes that cheap).
 
 With async scheduling the engine schedules step N+1 while step N still runs (`schedule(
 ahead=True)`): a request whose last step samples a token is scheduled again with that token
@@ -24,7 +26,6 @@ one); draft tokens of a short request stop at the length. Pure Python: no tensor
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from ..config import SchedulerConfig
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
+from .request_queue import create_request_queue
 
 PLACEHOLDER_TOKEN = -1
 """In `ScheduledRequest.token_ids`: the token sampled by the step in flight, not known yet."""
@@ -126,7 +128,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.long_context_len = long_context_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.policy)
+        """Requests not running, the next to start first (see `request_queue.py`)."""
         self.running: list[Request] = []
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
@@ -203,7 +206,14 @@ class Scheduler:
                 if ahead:
                     blocked = True
                     break
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                index = self.running.index(victim)
+                del self.running[index]
+                if index < i:  # scheduled earlier in this step (priority policy): undone
+                    step = next(s for s in scheduled if s.request_id == victim.request_id)
+                    scheduled.remove(step)
+                    budget += len(step.token_ids)
+                    i -= 1
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -340,6 +350,19 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._enter_long_context(request)
         self.waiting.appendleft(request)
+
+    def preempt_all(self) -> None:
+        """Preempt every running request (the KV cache is about to go: sleep mode); they
+        wait to be computed again, in the order they would have run."""
+        while self.running:
+            self._preempt(self.running.pop())
+
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt when the KV cache is full: the newest (fcfs), or
+        the one with the largest (priority, arrival) (priority policy, as in vLLM)."""
+        if self.waiting.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_index))
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -3,7 +3,9 @@
 Two spellings are accepted, as in vLLM: `speculative_config={"method": "ngram",
 "num_speculative_tokens": 4, "prompt_lookup_max": 3}`, or the top-level aliases `spec_method`,
 `spec_model`, `spec_tokens`, `prompt_lookup_min`, `prompt_lookup_max`. Setting a key both
-ways is an error, even with equal values.
+ways is an error, even with equal values. Every spelling of the ngram method vLLM 0.26
+takes works (`"ngram"`, `"[ngram]"`, `"ngram_gpu"`, or `model="[ngram]"` with no method),
+and vLLM's other keys are taken at their defaults.
 """
 
 from __future__ import annotations
@@ -25,6 +27,40 @@ ALIASES = {
 """Top-level `LLM(...)` option → its `speculative_config` key."""
 
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+NGRAM_METHODS = ("ngram", "[ngram]", "ngram_gpu")
+"""vLLM 0.26's spellings of the ngram method (`ngram_gpu`: the same lookup, run on the
+device there); `model="ngram"` or `"[ngram]"` without a method means it too."""
+
+VLLM_KEYS_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "enforce_eager": (None,),
+    "draft_tensor_parallel_size": (None, 1),
+    "tensor_parallel_size": (None,),
+    "quantization": (None,),
+    "moe_backend": (None,),
+    "attention_backend": (None,),
+    "kv_cache_dtype": (None,),
+    "max_model_len": (None,),
+    "revision": (None,),
+    "code_revision": (None,),
+    "disable_padded_drafter_batch": (False,),
+    "use_local_argmax_reduction": (False,),
+    "use_heterogeneous_vocab": (False,),
+    "parallel_drafting": (False,),
+    "num_speculative_tokens_per_batch_size": (None,),
+    "suffix_decoding_max_tree_depth": (24,),
+    "suffix_decoding_max_cached_requests": (10000,),
+    "suffix_decoding_max_spec_factor": (1.0,),
+    "suffix_decoding_min_token_prob": (0.1,),
+    "draft_load_config": (None,),
+    "rejection_sample_method": ("standard",),
+    "synthetic_acceptance_rates": (None,),
+    "synthetic_acceptance_length": (None,),
+    "draft_sample_method": ("greedy", "probabilistic"),
+}
+"""vLLM 0.26's other `speculative_config` keys → the values taken (its defaults, under
+which they change nothing here: the draft runs on the target's device and in its dtype,
+drafts are verified by standard rejection sampling); other values are refused."""
 
 DEFAULT_PROMPT_LOOKUP = 5
 """ngram: the n-gram length when neither prompt_lookup_min nor prompt_lookup_max is given."""
@@ -61,11 +97,19 @@ def parse_speculative_options(
             f"speculative_config={speculative_config!r} must be a dict with keys {list(KEYS)}"
         )
     merged = dict(speculative_config or {})
-    unknown = sorted(set(merged) - set(KEYS))
+    unknown = sorted(set(merged) - set(KEYS) - set(VLLM_KEYS_AT_DEFAULT))
     if unknown:
         raise InvalidParamError(
             f"speculative_config has unknown key(s) {unknown}; valid keys: {list(KEYS)}"
         )
+    for key in [k for k in merged if k in VLLM_KEYS_AT_DEFAULT]:
+        value = merged.pop(key)
+        if value not in VLLM_KEYS_AT_DEFAULT[key]:
+            raise InvalidParamError(
+                f"speculative_config[{key!r}]={value!r} is not supported: the draft runs on the "
+                "target's device, in its dtype, with standard rejection sampling; drop the key "
+                f"(or give vLLM's default {VLLM_KEYS_AT_DEFAULT[key][0]!r})"
+            )
     for alias, value in aliases.items():
         if value is None:
             continue
@@ -83,11 +127,16 @@ def parse_speculative_options(
 
 def _validate(options: dict[str, Any]) -> SpeculativeOptions:
     method, model = options.get("method"), options.get("model")
+    if method in NGRAM_METHODS or (method is None and model in ("ngram", "[ngram]")):
+        method = "ngram"
+        if model in NGRAM_METHODS:  # vLLM's placeholder "model" of the ngram method
+            model = None
     if method is None:
         if model is None:
             raise InvalidParamError(
                 f"speculative decoding needs a method (spec_method= or "
-                f"speculative_config['method']): one of {list(METHODS)}"
+                f"speculative_config['method']): one of {list(METHODS)} "
+                "(num_speculative_tokens was provided but without speculative model.)"
             )
         method = "draft_model"
     if method not in METHODS:

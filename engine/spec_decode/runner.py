@@ -48,6 +48,12 @@ class SpecDecodeRunner:
         )
 
     @property
+    def draft_runner(self) -> ModelRunner | None:
+        """The draft model's runner (None for ngram drafts): sleep mode frees and restores
+        its memory with the target's."""
+        return self.drafter.runner if self.drafter is not None else None
+
+    @property
     def block_bytes(self) -> int:
         """KV bytes per block besides the target's (the draft's cache)."""
         return self.drafter.block_bytes if self.drafter is not None else 0

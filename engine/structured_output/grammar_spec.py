@@ -29,11 +29,11 @@ class GrammarSpec:
     """A constraint, canonical and hashable."""
 
     kind: str
-    """`json` (`json_object` becomes the schema of any object), `regex`, `choice` or
-    `grammar`."""
+    """`json` (`json_object` becomes the schema of any object), `regex`, `choice`,
+    `grammar` or `structural_tag`."""
     text: str
     """The schema as compact JSON, the regex or the grammar; for `choice`, the choices as a
-    JSON list."""
+    JSON list; for `structural_tag`, the tag as compact JSON."""
     any_whitespace: bool = True
     """json: whitespace may appear between JSON tokens."""
     whitespace_pattern: str | None = None
@@ -66,6 +66,10 @@ def grammar_spec(params: StructuredOutputsParams, config: StructuredOutputsConfi
         )
     if kind == "choice":
         return GrammarSpec("choice", json.dumps(list(params.choice), ensure_ascii=False))
+    if kind == "structural_tag":
+        tag = params.structural_tag
+        tag = json.loads(tag) if isinstance(tag, str) else tag
+        return GrammarSpec(kind, json.dumps(tag, ensure_ascii=False, separators=(",", ":")))
     return GrammarSpec(kind, getattr(params, kind))
 
 

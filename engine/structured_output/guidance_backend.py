@@ -15,6 +15,7 @@ import torch
 
 from .backend import GrammarCompileError, GrammarMatcher
 from .grammar_spec import GrammarSpec
+from .lark import is_lark
 
 
 class GuidanceBackend:
@@ -47,7 +48,9 @@ class GuidanceBackend:
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec.text, defaults=options)
             elif spec.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec.text)
-            else:  # grammar (Lark, or GBNF converted to Lark) or choice (a JSON list)
+            elif spec.kind == "grammar" and is_lark(spec.text):
+                grammar = llg.grammar_from("lark", spec.text)
+            else:  # grammar (GBNF, converted to Lark) or choice (a JSON list)
                 grammar = llg.grammar_from(spec.kind, spec.text)
         except ValueError as e:
             raise GrammarCompileError(str(e)) from None

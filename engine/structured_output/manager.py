@@ -133,7 +133,7 @@ class StructuredOutputManager:
                 "grammar); use method='ngram' or no speculative decoding"
             )
         spec = grammar_spec(params.structured_outputs, self.config)
-        name = backend_for(self.config, spec)
+        name = backend_for(self.config, spec, params.structured_outputs.backend)
         try:
             backend = self._backend(name)
             return backend, self.cache.get(name, spec, lambda: backend.compile(spec))

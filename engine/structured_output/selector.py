@@ -9,6 +9,7 @@ installed; a backend named outright must be installed, checked when the `LLM` is
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
@@ -17,6 +18,7 @@ from ..config import StructuredOutputsConfig
 from ..errors import InvalidParamError
 from .backend import GrammarBackend
 from .grammar_spec import GrammarSpec
+from .schema_support import xgrammar_unsupported_features
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -76,21 +78,45 @@ def parse_structured_outputs_config(value: Mapping[str, Any] | None) -> Structur
     return config
 
 
-def backend_for(config: StructuredOutputsConfig, spec: GrammarSpec) -> str:
-    """The backend that serves `spec`.
+def backend_for(
+    config: StructuredOutputsConfig, spec: GrammarSpec, requested: str | None = None
+) -> str:
+    """The backend that serves `spec`: the request's (`requested`), the engine's named
+    one, or under `auto` xgrammar unless only guidance serves the spec (a whitespace
+    pattern, a schema with keywords xgrammar would not enforce) or xgrammar is not
+    installed.
 
     Raises:
-        InvalidParamError: no installed backend serves it (the message says what to install).
+        InvalidParamError: a request's backend other than the engine's named one, a spec
+            the backend cannot serve, or no installed backend (the message says what to
+            install or use).
     """
-    if config.backend != "auto":
-        if config.backend == "xgrammar" and spec.whitespace_pattern is not None:
+    if requested not in (None, "auto"):
+        if config.backend not in ("auto", requested):
             raise InvalidParamError(
-                "structured_outputs with whitespace_pattern, which needs the guidance backend, "
-                "and this LLM was built with structured_outputs_config backend='xgrammar'; "
-                "drop whitespace_pattern or use backend='auto' / 'guidance'"
+                f"structured_outputs with backend={requested!r}, and this LLM was built with "
+                f"structured_outputs_config backend={config.backend!r}: Request-level "
+                "structured output backend selection is not supported. The request specified "
+                f"'{requested}', but vLLM was initialised with '{config.backend}'. Drop the "
+                "request's backend, or build the LLM with structured_outputs_config="
+                f"{{'backend': {requested!r}}} (or 'auto')"
             )
+        _check_serves(requested, spec, f"the request's backend={requested!r}")
+        if not is_installed(requested):
+            raise InvalidParamError(
+                f"structured_outputs backend={requested!r} needs the {_MODULES[requested]} "
+                f"package, which is not installed: {_INSTALL[requested]}"
+            )
+        return requested
+    if config.backend != "auto":
+        _check_serves(config.backend, spec, f"structured_outputs_config backend={config.backend!r}")
         return config.backend
-    order = ("guidance",) if spec.whitespace_pattern is not None else ("xgrammar", "guidance")
+    if spec.kind == "structural_tag":
+        order: tuple[str, ...] = ("xgrammar",)
+    elif spec.whitespace_pattern is not None or _xgrammar_misses(spec):
+        order = ("guidance",)
+    else:
+        order = ("xgrammar", "guidance")
     for name in order:
         if is_installed(name):
             return name
@@ -98,6 +124,33 @@ def backend_for(config: StructuredOutputsConfig, spec: GrammarSpec) -> str:
     raise InvalidParamError(
         f"structured_outputs, which need a grammar engine, and none is installed: {needed}"
     )
+
+
+def _xgrammar_misses(spec: GrammarSpec) -> list[str]:
+    """The schema keywords xgrammar would not enforce (json specs)."""
+    return xgrammar_unsupported_features(json.loads(spec.text)) if spec.kind == "json" else []
+
+
+def _check_serves(backend: str, spec: GrammarSpec, chosen_by: str) -> None:
+    """Raise when `backend` cannot serve `spec` as it should."""
+    if backend == "xgrammar" and spec.whitespace_pattern is not None:
+        raise InvalidParamError(
+            f"structured_outputs with whitespace_pattern, which needs the guidance backend, "
+            f"and {chosen_by}; drop whitespace_pattern or use backend='auto' / 'guidance'"
+        )
+    if backend == "guidance" and spec.kind == "structural_tag":
+        raise InvalidParamError(
+            f"structured_outputs with structural_tag, which the xgrammar backend serves, "
+            f"and {chosen_by}; use backend='auto' or 'xgrammar'"
+        )
+    missing = _xgrammar_misses(spec) if backend == "xgrammar" else []
+    if missing:
+        raise InvalidParamError(
+            f"structured_outputs whose json schema uses {', '.join(missing)}, which xgrammar "
+            f"would not enforce, and {chosen_by}: The provided JSON schema contains features "
+            "not supported by xgrammar. Use backend='auto' or 'guidance' (llguidance), or "
+            "drop those keywords"
+        )
 
 
 def create_backend(

@@ -1,6 +1,7 @@
 """The xgrammar backend: JSON Schema, regex, EBNF and choices compiled by xgrammar.
 
-xgrammar precomputes, per grammar, which tokens each state allows, so a step's mask is a
+Lark grammars are converted to EBNF first, as vLLM converts them (`lark.py`); structural
+tags compile through xgrammar's own format (or vLLM's older one). xgrammar precomputes, per grammar, which tokens each state allows, so a step's mask is a
 cheap lookup; its matchers roll back any number of tokens (speculative decoding, the
 engine's resynchronisation after a step that did not happen). Imported only when a request
 first asks for structured outputs.
@@ -18,6 +19,7 @@ import torch
 
 from .backend import GrammarCompileError, GrammarMatcher
 from .grammar_spec import GrammarSpec
+from .lark import LarkConversionError, is_lark, lark_to_ebnf
 
 MIN_PARALLEL_ROWS = 32
 """From this many rows on, a step's masks are filled by xgrammar's thread pool; below,
@@ -61,9 +63,25 @@ class XgrammarBackend:
                 return compiler.compile_regex(spec.text)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_ebnf(spec.choices))
-            return compiler.compile_grammar(spec.text)
-        except (RuntimeError, ValueError) as e:
+            if spec.kind == "structural_tag":
+                return self._compile_structural_tag(spec.text)
+            return compiler.compile_grammar(ebnf_of(spec.text))
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise GrammarCompileError(_LOG_PREFIX.sub("", str(e)).strip()) from None
+
+    def _compile_structural_tag(self, text: str) -> Any:
+        """xgrammar's structural tag format as it is, or vLLM's older one (`structures`
+        of begin / schema / end, and `triggers`) through xgrammar's items."""
+        tag = json.loads(text)
+        if "structures" not in tag:
+            return self._compiler.compile_structural_tag(text)
+        items = [
+            self._xgr.StructuralTagItem(
+                begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+            )
+            for s in tag["structures"]
+        ]
+        return self._compiler.compile_structural_tag(items, tag["triggers"])
 
     def matcher(self, compiled: Any, stop_token_ids: Sequence[int]) -> GrammarMatcher:
         return self._xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
@@ -76,6 +94,16 @@ class XgrammarBackend:
                 matcher.fill_next_token_bitmask(bitmask, row)
             return
         self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+
+
+def ebnf_of(grammar: str) -> str:
+    """A grammar as xgrammar reads it: EBNF as given, Lark converted as vLLM converts it."""
+    if not is_lark(grammar):
+        return grammar
+    try:
+        return lark_to_ebnf(grammar)
+    except LarkConversionError as e:
+        raise GrammarCompileError(f"Failed to convert the grammar from Lark to EBNF: {e}") from None
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -55,6 +55,7 @@ from .sampler import (
     SamplingMetadata,
     unpack_sampling_masks,
 )
+from .sleep_mode import RunnerSleep
 from .speculative import SpeculativeDecoder
 from .step_buffers import (
     StepBuffers,
@@ -103,24 +104,10 @@ class ModelRunner:
         batch_invariant = config.device.batch_invariant
         self.backend = get_attention_backend(config.device.attention_backend, batch_invariant)
         hf_config = config.model.hf_config
-        model_cls = get_model_class(config.model.architecture)
-        model_kwargs = {} if tp is None else {"tp": tp}
-        self.model = build_model(
-            model_cls,
-            Path(config.model.path),
-            self.dtype,
-            self.device,
-            quantization=config.model.quantization,
-            load_format=config.model.load_format,
-            config=hf_config,
-            backend=self.backend,
-            max_position=config.model.max_model_len,
-            **model_kwargs,
-        )
-        if batch_invariant:
-            make_batch_invariant(self.model)
-            if tp is not None:
-                tp.sum_in_rank_order = True
+        self.model: torch.nn.Module | None = None
+        self.load_model()
+        if batch_invariant and tp is not None:
+            tp.sum_in_rank_order = True
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers, self.num_kv_heads, self.head_dim = self.model.kv_cache_shape()
         self.kv_dtype = config.cache.cache_dtype or self.dtype
@@ -155,6 +142,33 @@ class ModelRunner:
         self.spec: SpeculativeDecoder | None = None
         """Speculative decoding's draft and verification, handed in once the runner is
         built (`spec_decode/runner.py`)."""
+        self.num_kv_blocks = 0
+        """Blocks of the engine's KV cache (`initialize_kv_cache`; kept while asleep)."""
+        self.sleep_state = RunnerSleep(self)
+        """Sleep mode: which of this rank's device memory is asleep (`sleep`, `wake_up`)."""
+
+    def load_model(self, path: str | None = None) -> None:
+        """Build the model and fill its weights: from the checkpoint (or the folder `path`),
+        or seeded random weights with `load_format="dummy"` (the same at every load)."""
+        config = self.config
+        model_kwargs = {} if self.tp is None else {"tp": self.tp}
+        if self.model is not None:  # the old weights go before the new ones arrive
+            self.decode_graphs = None  # (its graphs read them)
+            self.model = None
+        self.model = build_model(
+            get_model_class(config.model.architecture),
+            Path(path or config.model.path),
+            self.dtype,
+            self.device,
+            quantization=config.model.quantization,
+            load_format=config.model.load_format,
+            config=config.model.hf_config,
+            backend=self.backend,
+            max_position=config.model.max_model_len,
+            **model_kwargs,
+        )
+        if config.device.batch_invariant:
+            make_batch_invariant(self.model)
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -170,11 +184,18 @@ class ModelRunner:
         return kv_cache_sizing.determine_num_blocks(self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode graphs on it (when enabled)."""
+        """Allocate the KV cache, then capture the decode graphs on it (when enabled and
+        the weights are on the device)."""
+        self.num_kv_blocks = num_blocks
         self.allocate_kv_cache(num_blocks)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, final=True)
-        if not self.use_cuda_graphs:
+        self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode graphs on the current KV cache and weights (CUDA with graphs
+        on; a failed capture leaves decode steps eager)."""
+        if not self.use_cuda_graphs or not self.kv_caches or not self._has_weights():
             return
         try:
             self.enable_decode_graphs(capture=True)
@@ -199,6 +220,65 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         """Drop the KV cache tensors (after the profiling forward)."""
         self.kv_caches = []
+
+    # ---- sleep mode -------------------------------------------------------------------
+
+    def sleep(self, level: int) -> int:
+        """Free this rank's device memory: the KV cache, the CUDA graphs, the step buffers
+        and the weights (level 1: kept in host memory; level 2: dropped). Returns the bytes
+        the device got back."""
+        return self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what a `sleep` freed: `weights`, `kv_cache` (fresh: nothing cached), or
+        both (None); the decode graphs are captured again once both are back."""
+        self.sleep_state.wake_up(tags)
+
+    def _draft(self) -> ModelRunner | None:
+        return getattr(self.spec, "draft_runner", None) if self.spec is not None else None
+
+    def _has_weights(self) -> bool:
+        first = next(self.model.parameters(), None) if self.model is not None else None
+        return first is not None and first.numel() > 0
+
+    def weight_modules(self) -> list[torch.nn.Module]:
+        draft = self._draft()
+        return [self.model] + (draft.weight_modules() if draft is not None else [])
+
+    def drop_weights(self) -> None:
+        self.model = None
+        if (draft := self._draft()) is not None:
+            draft.drop_weights()
+
+    def reload_weights_from_checkpoint(self) -> None:
+        self.load_model()
+        if (draft := self._draft()) is not None:
+            draft.load_model()
+
+    def free_device_state(self) -> None:
+        self.decode_graphs = None  # its graphs hold their memory pool and the KV cache
+        self.kv_caches = []
+        self._last_samples = None
+        self.buffers = None
+        if (draft := self._draft()) is not None:
+            draft.free_device_state()
+
+    def restore_device_state(self) -> None:
+        sched = self.config.scheduler
+        for runner in (self, self._draft()):
+            if runner is not None:
+                runner.buffers = StepBuffers(
+                    sched.max_num_batched_tokens,
+                    sched.max_num_seqs,
+                    runner.max_blocks_per_seq,
+                    runner.device,
+                )
+        self.initialize_kv_cache(self.num_kv_blocks)  # the draft's too
+
+    def on_weights_restored(self) -> None:
+        self.capture_decode_graphs()
+        if (draft := self._draft()) is not None:
+            draft.capture_decode_graphs()
 
     def release(self) -> None:
         """Drop every device tensor (graphs, KV cache, model) so their memory returns to

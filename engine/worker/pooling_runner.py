@@ -9,7 +9,6 @@ model's token projection) come from `loader/pooling_heads.py`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,137 +28,13 @@ from ..models.layers.pooler import PoolingType, pool
 from ..models.registry import build_pooling_model_kwargs, pooling_task_of
 from ..pooling_params import PoolingParams
 from .late_interaction import maxsim
+from .packed_inputs import PackedInputs, PoolingInput
+from .sleep_mode import RunnerSleep
 from .step_buffers import start_copy_to_host
 
 # On CPU a forward of more tokens than this gains nothing from matmul efficiency, while its
 # activations fall out of cache and the elementwise ops (GELU, bias, norms) turn memory-bound.
 CPU_MAX_TOKENS_PER_FORWARD = 4096
-
-
-@dataclass(slots=True)
-class PoolingInput:
-    """One tokenized input."""
-
-    token_ids: list[int]
-    token_type_ids: list[int] | None = None
-
-
-@dataclass(slots=True)
-class PackedInputs:
-    """Many tokenized inputs back to back, with no Python object per input.
-
-    Input i is `token_ids[offsets[i]:offsets[i + 1]]`. Ids arrive this way from the
-    tokenizer worker processes, and the runner packs its batches from here with one gather.
-    """
-
-    token_ids: np.ndarray
-    """[num_tokens] int32 or int64."""
-    offsets: np.ndarray
-    """[num_inputs + 1] int64, from 0 to num_tokens."""
-    token_type_ids: np.ndarray | None = None
-    """[num_tokens] int64 segment ids (pairs of a cross-encoder), or None for all zeros."""
-    lists: list[list[int]] | None = None
-    """The same ids as one list per input, where they were made that way (the in-process
-    tokenizer, token-id prompts): outputs reuse them instead of slicing `token_ids`."""
-    pool_start: np.ndarray | None = None
-    """[num_inputs] int64: tokens at the start of each input that mean pooling leaves out
-    (a sentence-transformers prompt with `include_prompt: false`); None: none."""
-
-    @classmethod
-    def from_lens(cls, token_ids: np.ndarray, lens: np.ndarray) -> PackedInputs:
-        """Flat ids and the number of ids of each input."""
-        offsets = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        return cls(token_ids, offsets)
-
-    @classmethod
-    def from_lists(
-        cls, ids: list[list[int]], types: list[list[int] | None] | None = None
-    ) -> PackedInputs:
-        """One list of ids (and optionally of segment ids) per input."""
-        lens = np.fromiter(map(len, ids), np.int64, len(ids))
-        packed = cls.from_lens(
-            np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lens.sum())), lens
-        )
-        packed.lists = ids
-        if types is not None and any(t is not None for t in types):
-            packed.token_type_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    t if t is not None else [0] * len(x) for x, t in zip(ids, types, strict=True)
-                ),
-                np.int64,
-                len(packed.token_ids),
-            )
-        return packed
-
-    @classmethod
-    def of(cls, inputs: PackedInputs | Sequence[PoolingInput]) -> PackedInputs:
-        if isinstance(inputs, PackedInputs):
-            return inputs
-        return cls.from_lists([x.token_ids for x in inputs], [x.token_type_ids for x in inputs])
-
-    @classmethod
-    def concat(cls, parts: Sequence[PackedInputs]) -> PackedInputs:
-        """The inputs of `parts`, in order."""
-        if len(parts) == 1:
-            return parts[0]
-        bases = np.cumsum([0] + [len(p.token_ids) for p in parts[:-1]])  # tokens before each
-        offsets = np.concatenate(
-            [np.zeros(1, np.int64)]
-            + [p.offsets[1:] + base for p, base in zip(parts, bases, strict=True)]
-        )
-        types = None
-        if any(p.token_type_ids is not None for p in parts):
-            types = np.concatenate(
-                [
-                    p.token_type_ids
-                    if p.token_type_ids is not None
-                    else np.zeros(len(p.token_ids), np.int64)
-                    for p in parts
-                ]
-            )
-        lists = None
-        if all(p.lists is not None for p in parts):
-            lists = list(itertools.chain.from_iterable(p.lists for p in parts))  # type: ignore[arg-type]
-        ids = np.concatenate([p.token_ids for p in parts])
-        starts = None
-        if any(p.pool_start is not None for p in parts):
-            starts = np.concatenate(
-                [
-                    p.pool_start if p.pool_start is not None else np.zeros(len(p), np.int64)
-                    for p in parts
-                ]
-            )
-        return cls(ids, offsets, types, lists, starts)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def lens(self) -> np.ndarray:
-        """[num_inputs] int64: the number of ids of each input."""
-        return np.diff(self.offsets)
-
-    def prompt_token_ids(self) -> list[list[int]] | list[np.ndarray]:
-        """Each input's ids for its output: the list where there is one, else a view of
-        `token_ids` that the output turns into a list when it is read (most callers of a
-        large embed call never read them, and 100k lists cost more than the forward)."""
-        if self.lists is not None:
-            return self.lists
-        ids, bounds = self.token_ids, self.offsets.tolist()
-        return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-    def gather(
-        self, rows: np.ndarray, lens: np.ndarray, cu: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """The inputs `rows` packed back to back: ids, positions and segment ids, each
-        `[num_tokens]` int64, where `lens` are their lengths and `cu` their cumulative ones."""
-        num_tokens = int(cu[-1])
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
-        index = positions + np.repeat(self.offsets[rows], lens)
-        ids = self.token_ids[index].astype(np.int64, copy=False)
-        types = self.token_type_ids[index] if self.token_type_ids is not None else None
-        return ids, positions, types
 
 
 class PoolingRunner:
@@ -175,23 +50,28 @@ class PoolingRunner:
         mc = config.model
         self.device = config.device.device
         self.task = pooling_task_of(mc.architecture, mc.convert)
-        backend = get_attention_backend("torch")
-        cls, kwargs = build_pooling_model_kwargs(
-            mc.architecture, mc.hf_config, backend, mc.max_model_len
-        )
-        self.model = build_model(
-            cls, Path(mc.path), mc.dtype, self.device, load_format=mc.load_format, **kwargs
-        )
         st = read_sentence_transformers_config(Path(mc.path))
-        hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
-        self.heads = load_pooling_heads(
-            Path(mc.path), mc.architecture, self.task, hidden_size, st, self.device
-        )
+        self.st_config = st
+        self.load_model()
         self.is_late_interaction = self.heads.is_late_interaction
         if self.is_late_interaction:
             self.task = "token_embed"
+        self.num_labels = getattr(self.model, "num_labels", None)
+        pooler = mc.pooler_config
+        if pooler is not None and pooler.task is not None:
+            if pooler.task not in self.supported_tasks:
+                raise InvalidParamError(
+                    f"pooler_config task={pooler.task!r} is not one this model serves "
+                    f"(Unsupported task: {pooler.task!r} Supported tasks: "
+                    f"{self.supported_tasks})"
+                )
+            self.task = pooler.task
         st_pooling = st.pooling_type if st else None
-        self.pooling_type = st_pooling or self.model.default_pooling_type
+        self.pooling_type = (
+            PoolingType(pooler.pooling_type)
+            if pooler is not None and pooler.pooling_type is not None
+            else st_pooling or self.model.default_pooling_type
+        )
         self.default_normalize = st.normalize if st else True
         self.max_seq_length = st.max_seq_length if st else None
         self.do_lower_case = st.do_lower_case if st else False
@@ -202,9 +82,18 @@ class PoolingRunner:
         hf = mc.hf_config
         dims = getattr(hf, "matryoshka_dimensions", None)
         self.is_matryoshka = bool(dims) or bool(getattr(hf, "is_matryoshka", False))
-        self.num_labels = getattr(self.model, "num_labels", None)
         self._staging = _PinnedStaging()
         self._on_batch: Callable[[int], None] | None = None
+        self.sleep_state = RunnerSleep(self)
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """The tasks this model can serve (`task` is the one it serves)."""
+        if self.is_late_interaction:
+            return ("token_embed",)
+        if self.num_labels is not None:
+            return ("classify",)
+        return ("embed", "token_embed")
 
     @contextlib.contextmanager
     def reporting(self, on_batch: Callable[[int], None]) -> Iterator[None]:
@@ -222,9 +111,52 @@ class PoolingRunner:
         if self._on_batch is not None:
             self._on_batch(num_inputs)
 
+    def load_model(self) -> None:
+        """Build the model and its pooling heads and fill their weights (the checkpoint, or
+        seeded random weights with `load_format="dummy"`); again after a level-2 sleep."""
+        mc = self.config.model
+        cls, kwargs = build_pooling_model_kwargs(
+            mc.architecture, mc.hf_config, get_attention_backend("torch"), mc.max_model_len
+        )
+        self.model = None
+        self.model = build_model(
+            cls, Path(mc.path), mc.dtype, self.device, load_format=mc.load_format, **kwargs
+        )
+        hidden_size = int(getattr(mc.hf_config, "hidden_size", 0) or 0)
+        self.heads = load_pooling_heads(
+            Path(mc.path), mc.architecture, self.task, hidden_size, self.st_config, self.device
+        )
+
     def release(self) -> None:
         """Drop the model so its memory returns to the device; nothing runs afterwards."""
         self.model = None
+
+    # ---- sleep mode (`worker/sleep_mode.py`): no KV cache, the weights alone ----------
+
+    def sleep(self, level: int) -> int:
+        return self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_state.wake_up(tags)
+
+    def weight_modules(self) -> list[torch.nn.Module]:
+        return [self.model, *self.heads.sentence, *self.heads.tokens]
+
+    def drop_weights(self) -> None:
+        self.model = None
+        self.heads = None
+
+    def reload_weights_from_checkpoint(self) -> None:
+        self.load_model()
+
+    def free_device_state(self) -> None:
+        self._staging = _PinnedStaging()
+
+    def restore_device_state(self) -> None:
+        pass
+
+    def on_weights_restored(self) -> None:
+        pass
 
     # ---- batching ---------------------------------------------------------------------
 
@@ -296,6 +228,66 @@ class PoolingRunner:
         """Starts copying device results to the host; `_HostCopy.wait()` returns them."""
         return _HostCopy(*start_copy_to_host(tensors))
 
+    # ---- request parameters -------------------------------------------------------------
+
+    def normalizes(self, params: PoolingParams) -> bool:
+        """Whether an embedding (or token vector) is L2-normalised: `normalize` when set,
+        else `use_activation` (vLLM 0.26's switch of an embedding's normalisation), else
+        `pooler_config`'s `use_activation`, else the model's (a sentence-transformers
+        pipeline normalises when it ends in a Normalize module; True otherwise)."""
+        if params.normalize is not None:
+            if params.use_activation is not None and params.use_activation != params.normalize:
+                raise InvalidParamError(
+                    f"normalize={params.normalize} and use_activation={params.use_activation} "
+                    "disagree (use_activation switches an embedding's normalisation); set one"
+                )
+            return params.normalize
+        if params.use_activation is not None:
+            return params.use_activation
+        pooler = self.config.model.pooler_config
+        if pooler is not None and pooler.use_activation is not None:
+            return pooler.use_activation
+        return self.default_normalize
+
+    def _normalizes_tokens(self, params: PoolingParams) -> bool:
+        """A late-interaction model's token vectors are unit vectors unless asked not."""
+        if params.normalize is not None or params.use_activation is not None:
+            return self.normalizes(params)
+        pooler = self.config.model.pooler_config
+        return pooler is None or pooler.use_activation is not False
+
+    def dimensions_of(self, params: PoolingParams, index: int) -> int | None:
+        """The matryoshka width an input asks for (or `pooler_config`'s), checked as vLLM
+        checks it."""
+        dims = params.dimensions
+        pooler = self.config.model.pooler_config
+        if dims is None and pooler is not None:
+            dims = pooler.dimensions
+        if dims is None:
+            return None
+        mc = self.config.model
+        if not self.is_matryoshka:
+            raise InvalidParamError(
+                f"dimensions={dims} (input {index}) needs a matryoshka model; this one declares "
+                f"no matryoshka_dimensions in config.json, so drop dimensions= (Model "
+                f"{mc.model!r} does not support Matryoshka embeddings; dimensions must be "
+                f"unset (received dimensions={dims}).)"
+            )
+        size = mc.embedding_size
+        if not 1 <= dims <= size:
+            raise InvalidParamError(
+                f"dimensions={dims} (input {index}) exceeds the embedding size {size} (Model "
+                f"{mc.model!r} only supports dimensions in range [1, {size}], got {dims}.)"
+            )
+        allowed = mc.matryoshka_dimensions
+        if allowed and dims not in allowed:
+            raise InvalidParamError(
+                f"dimensions={dims} (input {index}) is not one of the model's matryoshka "
+                f"dimensions (Model {mc.model!r} only supports Matryoshka dimensions "
+                f"{allowed}, got {dims}.)"
+            )
+        return dims
+
     # ---- tasks ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -314,15 +306,7 @@ class PoolingRunner:
                 "this late-interaction (ColBERT) model gives one vector per token, not one per "
                 "input; use encode(pooling_task='token_embed') or score()"
             )
-        keys = []
-        for i, p in enumerate(params):
-            if p.dimensions is not None and not self.is_matryoshka:
-                raise InvalidParamError(
-                    f"dimensions={p.dimensions} (input {i}) needs a matryoshka model; this one "
-                    "declares no matryoshka_dimensions in config.json, so drop dimensions="
-                )
-            normalize = self.default_normalize if p.normalize is None else p.normalize
-            keys.append((p.dimensions, normalize))
+        keys = [(self.dimensions_of(p, i), self.normalizes(p)) for i, p in enumerate(params)]
         distinct = set(keys)
         matrix: np.ndarray | None = None  # the one-key result, made at the first batch
         out: list[torch.Tensor | None] = [None] * len(inputs)
@@ -385,13 +369,24 @@ class PoolingRunner:
                 "this model has no classification head; load a *ForSequenceClassification "
                 "checkpoint to classify or score pairs"
             )
+        for p in params:
+            extra = [k for k in ("dimensions", "normalize") if getattr(p, k) is not None]
+            if extra:
+                raise InvalidParamError(
+                    f"{extra[0]}={getattr(p, extra[0])} applies to embeddings, not class "
+                    f"probabilities: drop it (Task 'classify' only supports ['use_activation'] "
+                    f"parameters, does not support {extra} parameters)"
+                )
+        pooler = self.config.model.pooler_config
+        default = pooler.use_activation if pooler and pooler.use_activation is not None else True
+        activate = [default if p.use_activation is None else p.use_activation for p in params]
         pooling_type = self.model.default_pooling_type
         out: list[torch.Tensor | None] = [None] * len(inputs)
 
         def finish(batch: list[int], copy: _HostCopy) -> None:
             logits, probs = copy.wait_pageable()
             for row, i in enumerate(batch):
-                out[i] = logits[row] if params[i].use_activation is False else probs[row]
+                out[i] = probs[row] if activate[i] else logits[row]
 
         pending = None
         for batch, pooled in self._pooled(inputs, pooling_type):
@@ -409,8 +404,10 @@ class PoolingRunner:
     def token_embed(
         self, inputs: PackedInputs | Sequence[PoolingInput], params: list[PoolingParams]
     ) -> list[torch.Tensor]:
-        """`[len, dim]` per input: a late-interaction model's projected token vectors
-        (L2-normalised unless `normalize=False`), else every token's final hidden state."""
+        """`[len, dim]` per input: every token's vector, L2-normalised unless `use_activation`
+        (or `normalize`) is False, as vLLM's token_embed: a late-interaction model's
+        projected token vectors, else each token's final hidden state through the
+        sentence-transformers Dense modules, cut to `dimensions`."""
         if self.num_labels is not None:
             raise InvalidParamError(
                 "pooling_task='token_embed' needs an embedding or late-interaction model; this "
@@ -418,13 +415,21 @@ class PoolingRunner:
             )
         out: list[torch.Tensor | None] = [None] * len(inputs)
         if not self.is_late_interaction:
+            dims = [self.dimensions_of(p, i) for i, p in enumerate(params)]
             for batch, pooled in self._pooled(inputs, PoolingType.ALL):
                 for row, i in enumerate(batch):
-                    out[i] = pooled[row].float().cpu()
+                    vectors = pooled[row].float()  # [len, hidden]
+                    for head in self.heads.sentence:
+                        vectors = head(vectors)
+                    if dims[i] is not None:
+                        vectors = vectors[:, : dims[i]]
+                    if self.normalizes(params[i]):
+                        vectors = F.normalize(vectors, p=2, dim=-1)
+                    out[i] = vectors.cpu()
             return out  # type: ignore[return-value]
         packed = PackedInputs.of(inputs)
         for batch, lens in self._batches(packed):
-            wants = [params[i].normalize is not False for i in batch]
+            wants = [self._normalizes_tokens(params[i]) for i in batch]
             vectors = self._token_vectors(packed, batch, lens, normalize=all(wants))
             (host,) = self._to_host([vectors]).wait_pageable()
             parts = host.split(lens.tolist())

@@ -8,7 +8,7 @@ interface and imports nothing of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ class SpeculativeDecoder(Protocol):
 
     block_bytes: int
     """KV bytes per block besides the target's (a draft model's cache)."""
+    draft_runner: Any
+    """The draft model's `ModelRunner`, or None (sleep mode puts it to sleep with the
+    target's)."""
 
     def allocate_kv_cache(self, num_blocks: int, final: bool) -> None: ...
 

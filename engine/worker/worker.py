@@ -84,6 +84,40 @@ class Worker:
     def execute_step_inputs(self, inputs: Any) -> None:
         self.model_runner.execute_step_inputs(inputs)
 
+    # Sleep mode, on every rank (the engine reaches them through collective_rpc).
+
+    def sleep(self, level: int = 1) -> int:
+        """Free this rank's device memory (see `ModelRunner.sleep`); the bytes freed."""
+        return self.model_runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.model_runner.wake_up(tags)
+
+    def reload_weights(
+        self,
+        weights_iterator: Any = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        """Load the weights again from the checkpoint (or the folder `weights_path`), vLLM's
+        worker method (`llm.collective_rpc("reload_weights")`): after `wake_up(tags=
+        ["weights"])` from a level-2 sleep, which already reloads them here, or to pick up a
+        checkpoint rewritten in place."""
+        from ..errors import InvalidParamError
+
+        if weights_iterator is not None or not is_checkpoint_format:
+            raise InvalidParamError(
+                "reload_weights takes no weights_iterator here (nor is_checkpoint_format="
+                "False): write the weights as a checkpoint folder and pass weights_path="
+            )
+        runner = self.model_runner
+        if "weights" in runner.sleep_state.asleep:
+            raise InvalidParamError(
+                "reload_weights while the weights are asleep: wake_up(tags=['weights']) first"
+            )
+        runner.load_model(weights_path)
+        runner.on_weights_restored()
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -242,7 +242,7 @@ BAD_INPUTS = [
         InvalidPromptError,
         "token id -1",
     ),
-    ("int prompt", lambda: ([42], None), InvalidPromptError, r"prompts\[0\] is a int"),
+    ("int prompt", lambda: ([42, "a"], None), InvalidPromptError, r"prompts\[0\] is a int"),
     ("dict without prompt", lambda: ([{"text": "x"}], None), InvalidPromptError, "needs 'prompt'"),
     (
         "ids not ints",

@@ -501,3 +501,59 @@ def test_profiling_forward_runs_the_draft_on_the_dummy_prompts(target):
     assert calls == [40]
     assert not drafter.num_computed
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "ngram"},
+        {"method": "[ngram]"},
+        {"method": "ngram_gpu"},
+        {"model": "[ngram]"},
+        {"model": "ngram"},
+        {"method": "ngram", "model": "[ngram]"},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_every_vllm_spelling_of_ngram(config):
+    """vLLM 0.26's `SpeculativeConfig` reads all of these as the ngram method (its
+    `model="[ngram]"` is a placeholder, not a draft model's path)."""
+    opts = parse_speculative_options(
+        {**config, "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        dict.fromkeys(ALIASES),
+    )
+    assert (opts.method, opts.model, opts.num_speculative_tokens) == ("ngram", None, 3)
+    assert (opts.prompt_lookup_min, opts.prompt_lookup_max) == (2, 4)
+
+
+def test_vllms_other_keys_are_taken_at_their_defaults():
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "draft_tensor_parallel_size": 1,
+        "enforce_eager": None,
+        "rejection_sample_method": "standard",
+        "parallel_drafting": False,
+    }
+    assert parse_speculative_options(config, dict.fromkeys(ALIASES)).method == "ngram"
+    with pytest.raises(InvalidParamError, match=r"\['parallel_drafting'\]=True is not supp"):
+        parse_speculative_options({**config, "parallel_drafting": True}, dict.fromkeys(ALIASES))
+    with pytest.raises(InvalidParamError, match="provided but without speculative model"):
+        parse_speculative_options({"num_speculative_tokens": 2}, dict.fromkeys(ALIASES))
+
+
+def test_ngram_placeholder_model_runs_ngram_with_unchanged_greedy_tokens(tiny_model_factory):
+    path = str(tiny_model_factory("llama"))
+    prompts = ["one two one two one two one", "a b c a b c a b"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(path, max_model_len=128)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    spec = {"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(path, max_model_len=128, speculative_config=spec)
+    config = llm.llm_engine.config.speculative
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 1, 1)
+    assert config.draft_model is None and llm.llm_engine.spec is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    llm.shutdown()

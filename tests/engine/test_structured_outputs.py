@@ -116,7 +116,7 @@ def check_valid(kind: str, completion, xgr_info) -> None:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    llm = LLM(str(smollm2_dir), max_model_len=256, disable_log_stats=False)
+    llm = LLM(str(smollm2_dir), max_model_len=256, disable_log_stats=False, max_logprobs=40)
     yield llm
     llm.shutdown()
 

@@ -165,7 +165,7 @@ def test_generate_rows_match_llm_and_bad_rows_carry_their_error(smollm2):
         assert rows[i]["finish_reason"] == ref.outputs[0].finish_reason
         assert rows[i]["num_input_tokens"] == len(ref.prompt_token_ids)
         assert rows[i]["num_output_tokens"] == len(ref.outputs[0].token_ids)
-    assert rows[1]["error"] == "the input is empty; a prompt needs at least one token"
+    assert rows[1]["error"].startswith("the input is empty; a prompt needs at least one token")
     assert rows[2]["error"] == "column 'prompt' is null in this row"
     assert "more than max_model_len=64" in rows[3]["error"]
     assert not rows[3]["error"].startswith("prompts[")  # no position from the engine call

@@ -1,0 +1,199 @@
+"""A generation call's inputs → validated requests: prompts normalised and tokenized in
+one batched call, one `SamplingParams` and one priority per prompt, each checked against
+the engine's limits before any request of the call enters the engine.
+
+Errors name the prompt by index, say how to fix it, and contain vLLM's phrase for the
+same error, so that code matching vLLM's messages keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidParamError, InvalidPromptError
+from .inputs import PromptType, normalize_prompts
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt of a call, ready for `LLMEngine.add_request`."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+
+
+def prepare_requests(
+    engine: LLMEngine,
+    prompts: PromptType | Sequence[PromptType],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    priority: Sequence[int] | None,
+    default_params: SamplingParams,
+) -> list[GenerationRequest]:
+    """Every prompt of a call, tokenized and checked (nothing is added to the engine).
+
+    Raises:
+        InvalidPromptError, InvalidParamError: naming the first bad prompt or value.
+    """
+    prompt_dicts = normalize_prompts(prompts)
+    n = len(prompt_dicts)
+    params_list = params_per_prompt(engine, sampling_params, n, default_params)
+    priorities = priority_per_prompt(priority, n, engine.config.scheduler.policy)
+    token_lists = _tokenize(engine, prompt_dicts)
+    return [
+        GenerationRequest(check_prompt(engine, i, ids, params), params, p.get("prompt"), prio)
+        for i, (p, ids, params, prio) in enumerate(
+            zip(prompt_dicts, token_lists, params_list, priorities, strict=True)
+        )
+    ]
+
+
+def priority_per_prompt(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
+    """One priority per prompt (0 when none is given).
+
+    Under `fcfs` a list of zeros (vLLM's default) is accepted and changes nothing; other
+    values are refused, since only `scheduling_policy="priority"` orders by them.
+    """
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise InvalidParamError(
+            f"priority={priority!r:.80} must be a list of ints, one per prompt (lower values "
+            "are scheduled first)"
+        )
+    if len(priority) != n:
+        raise InvalidParamError(
+            f"priority has {len(priority)} values for {n} prompts: The lengths of prompts "
+            f"({n}) and priority ({len(priority)}) must be the same."
+        )
+    for i, value in enumerate(priority):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidParamError(f"priority[{i}]={value!r} must be an int")
+    if policy != "priority":
+        bad = next((v for v in priority if v != 0), None)
+        if bad is not None:
+            raise InvalidParamError(
+                f"priority={list(priority)!r:.80}: Got priority {bad} but Priority scheduling "
+                "is not enabled. Build the LLM with scheduling_policy='priority' to order "
+                "requests by priority, or leave priority=None"
+            )
+    return list(priority)
+
+
+def params_per_prompt(
+    engine: LLMEngine,
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    n: int,
+    default_params: SamplingParams,
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt, each distinct object checked once against the
+    vocabulary, the engine's `max_logprobs` and the grammar engine."""
+    if sampling_params is None:
+        params_list = [default_params] * n
+    elif isinstance(sampling_params, SamplingParams):
+        params_list = [sampling_params] * n
+    elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+        if len(sampling_params) != n:
+            raise InvalidParamError(
+                f"got {len(sampling_params)} sampling_params for {n} prompts; pass one "
+                "SamplingParams for all or exactly one per prompt"
+            )
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise InvalidParamError(
+                    f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams"
+                )
+        params_list = list(sampling_params)
+    else:
+        raise InvalidParamError(
+            f"sampling_params must be a SamplingParams or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
+    # Vocabulary-dependent checks and grammars, once per distinct params object (named
+    # by the first prompt that uses it).
+    vocab = engine.vocab_size
+    first_use: dict[int, tuple[int, SamplingParams]] = {}
+    for index, params in enumerate(params_list):
+        first_use.setdefault(id(params), (index, params))
+    for index, params in first_use.values():
+        if params.bad_words:
+            params.resolve_bad_words(require_tokenizer(engine, "bad_words"))
+        params.verify_token_ids(vocab)
+        check_max_logprobs(params, engine.config.model.max_logprobs, vocab)
+        engine.structured.validate(params, index)
+    return params_list
+
+
+def check_max_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """`logprobs` / `prompt_logprobs` within the engine's `max_logprobs` (-1: the vocabulary)."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise InvalidParamError(
+                f"{name}={value} exceeds the engine's max_logprobs={max_logprobs}: Requested "
+                f"{kind} logprobs of {value}, which is greater than max allowed: {limit}. "
+                f"Ask for fewer, or build the LLM with max_logprobs={value} (or -1)"
+            )
+
+
+def require_tokenizer(engine: Any, what: str) -> Any:
+    """The engine's tokenizer, or an error saying that `what` needs one."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise InvalidPromptError(
+            f"{what} needs a tokenizer, but the engine was built with "
+            "skip_tokenizer_init=True; pass TokensPrompt inputs or drop that option"
+        )
+    return tokenizer
+
+
+def _tokenize(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:
+    texts = [(i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p]
+    out: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
+    if texts:
+        tokenizer = require_tokenizer(engine, f"the text prompt at index {texts[0][0]}")
+        encoded = tokenizer([t for _, t in texts])["input_ids"]
+        for (i, _), ids in zip(texts, encoded, strict=True):
+            out[i] = list(ids)
+    return out  # type: ignore[return-value]
+
+
+def check_prompt(engine: Any, index: int, ids: list[int], params: SamplingParams) -> list[int]:
+    """Checks one prompt against the engine's limits; returns its (truncated) token ids."""
+    max_len = engine.config.model.max_model_len
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        keep = max_len if keep == -1 else keep
+        if keep > max_len:
+            raise InvalidParamError(
+                f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}"
+            )
+        ids = ids[-keep:]
+    if not ids:
+        raise InvalidPromptError(
+            f"prompts[{index}] is empty; a prompt needs at least one token (The decoder "
+            "prompt cannot be empty)"
+        )
+    if len(ids) > max_len:
+        raise InvalidPromptError(
+            f"prompts[{index}] has {len(ids)} tokens, more than max_model_len={max_len}; "
+            "shorten it, raise max_model_len, or set truncate_prompt_tokens (This model's "
+            f"maximum context length is {max_len} tokens, and your prompt contains "
+            f"{len(ids)} input tokens)"
+        )
+    vocab = engine.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:  # C speed; then the first bad id, for the message
+        bad = next(t for t in ids if t < 0 or t >= vocab)
+        raise InvalidPromptError(
+            f"prompts[{index}] has token id {bad} outside the vocabulary [0, {vocab}) "
+            f"(Token id {bad} is out of vocabulary)"
+        )
+    return ids
