@@ -4,6 +4,7 @@ from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError, ModelNotFoundError
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
+from .lora.request import LoRARequest
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -23,6 +24,7 @@ from .structured_outputs_params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "PoolingParams",

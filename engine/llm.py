@@ -18,6 +18,7 @@ from .gc_freeze import gc_heap_frozen
 from .inputs import PromptType, check_text, check_unsupported_options, normalize_prompts
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
+from .lora.request import add_lora_requests
 from .metrics import Metric
 from .outputs import RequestOutput
 from .pooling_engine import PoolingEngine
@@ -260,13 +261,15 @@ class LLM(PoolingMixin):
         Args:
             use_tqdm: Show a progress bar; a callable (say `functools.partial(tqdm,
                 leave=False)`) makes the bar, as in vLLM.
-            lora_request, priority: vLLM's; only None (LoRA adapters and priority
-                scheduling are not supported).
+            lora_request: A `LoRARequest` for every prompt, or a list with one (or None,
+                the base model) per prompt; needs `LLM(enable_lora=True)`. Each adapter is
+                read and checked before any request starts.
+            priority: vLLM's; only None (there is no priority scheduling).
         """
-        check_unsupported_options(lora_request, priority)
+        check_unsupported_options(None, priority)
         self._require_generation("generate")
         with gc_heap_frozen():
-            request_ids = self._add_prompts(prompts, sampling_params)
+            request_ids = self._add_prompts(prompts, sampling_params, lora_request=lora_request)
             return self._run_engine(request_ids, use_tqdm)
 
     def enqueue(
@@ -281,11 +284,11 @@ class LLM(PoolingMixin):
 
         `wait_for_completion()` runs the engine and returns every enqueued request's output.
         `use_tqdm` shows the requests being added (a bool or a bar factory); `lora_request`
-        and `priority` as in `generate` (None only).
+        and `priority` as in `generate`.
         """
-        check_unsupported_options(lora_request, priority)
+        check_unsupported_options(None, priority)
         self._require_generation("enqueue")
-        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm)
+        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm, lora_request)
         self._enqueued.extend(request_ids)
         return request_ids
 
@@ -360,13 +363,15 @@ class LLM(PoolingMixin):
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[BeamSearchOutput]:
         """Beam search; returns one `BeamSearchOutput` per prompt, best sequences first.
+        `lora_request` as in `generate` (each prompt's beams run its adapter).
 
         Example:
             >>> llm.beam_search(["The sky is"], BeamSearchParams(beam_width=4, max_tokens=16))
         """
-        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
+        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
@@ -431,8 +436,10 @@ class LLM(PoolingMixin):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: Any = None,
     ) -> list[str]:
         prompt_dicts = normalize_prompts(prompts)
+        loras = add_lora_requests(self.llm_engine, lora_request, len(prompt_dicts))
         params_list = self._params_per_prompt(sampling_params, len(prompt_dicts))
         token_lists = self._tokenize(prompt_dicts)
         for i, params in enumerate(params_list):
@@ -441,9 +448,11 @@ class LLM(PoolingMixin):
         request_ids = []
         bar = progress_bar(use_tqdm, len(prompt_dicts), "Adding requests", "it")
         try:
-            for p, ids, params in zip(prompt_dicts, token_lists, params_list, strict=True):
+            for p, ids, params, lora in zip(
+                prompt_dicts, token_lists, params_list, loras, strict=True
+            ):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, ids, params, p.get("prompt"))
+                engine.add_request(rid, ids, params, p.get("prompt"), lora)
                 request_ids.append(rid)
                 bar.update(1)
         finally:

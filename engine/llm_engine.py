@@ -18,6 +18,8 @@ from .core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, Schedu
 from .engine_base import EngineBase
 from .errors import InvalidParamError
 from .loader.generation_config import end_of_generation_ids
+from .lora.registry import LoRARegistry
+from .lora.request import LoRARequest
 from .metrics import FinishedRequestStats
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -92,7 +94,10 @@ class LLMEngine(EngineBase):
             self.kv_cache,
             max_len,
             long_context_len=getattr(self.runner.model, "long_context_len", None),
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
+        self.loras = LoRARegistry()
+        """The adapters this engine has been given (`add_lora`)."""
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec: SpecDecodeManager | None = None
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
@@ -152,16 +157,38 @@ class LLMEngine(EngineBase):
     def num_kv_blocks(self) -> int:
         return self.kv_cache.pool.num_blocks
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and read it into the host cache, as vLLM's `add_lora`; False
+        when the engine has it already.
+
+        Raises:
+            InvalidParamError: LoRA is off, the adapter is refused, or its id or name is
+                another adapter's; the engine goes on serving.
+        """
+        if not self.loras.check(lora_request):
+            return False
+        self.runner.add_lora(lora_request)
+        self.loras.add(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters given so far."""
+        return self.loras.ids()
+
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a validated request (n > 1 becomes n child requests)."""
+        """Queue a validated request (n > 1 becomes n child requests); its adapter must
+        have been given to `add_lora`."""
+        if lora_request is not None and lora_request.lora_int_id not in self.loras:
+            self.add_lora(lora_request)
         if params.n == 1:
-            self._add(request_id, prompt_token_ids, params, prompt, None)
+            self._add(request_id, prompt_token_ids, params, prompt, None, lora_request)
             return
         # Siblings always share the prompt's full blocks: with prefix caching off, a salt
         # private to this prompt keeps the sharing among them.
@@ -174,7 +201,7 @@ class LLMEngine(EngineBase):
             if params.seed is not None:
                 child.seed = params.seed + i
             self._child_parent[child_id] = (request_id, i)
-            self._add(child_id, prompt_token_ids, child, prompt, salt)
+            self._add(child_id, prompt_token_ids, child, prompt, salt, lora_request)
 
     def _add(
         self,
@@ -183,6 +210,7 @@ class LLMEngine(EngineBase):
         params: SamplingParams,
         prompt: str | None,
         cache_salt: int | None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         request = Request(
             request_id=request_id,
@@ -191,6 +219,7 @@ class LLMEngine(EngineBase):
             eos_token_ids=self.eos_token_ids,
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:

@@ -20,7 +20,8 @@ import torch
 
 from . import envs
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, check_text, check_unsupported_options, normalize_prompts
+from .inputs import PromptType, check_text, normalize_prompts
+from .lora.request import refuse_lora_for_pooling
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -78,7 +79,7 @@ class PoolingMixin:
             >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "embed")
         runner = self._pooling_runner("embed", "embed")
         with _gc_paused():
             # Host vectors: each output's list is made when it is read.
@@ -132,7 +133,7 @@ class PoolingMixin:
         lora_request: Any = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "classify")
         runner = self._pooling_runner("classify", "classify")
         with _gc_paused():
             inputs, probs = self._pool(
@@ -161,7 +162,7 @@ class PoolingMixin:
         """
         from .worker.pooling_runner import PackedInputs
 
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "score")
         start = time.perf_counter()
         runner = self._pooling_runner("score", None)
         left, right = _score_pairs(data_1, data_2)
@@ -222,7 +223,7 @@ class PoolingMixin:
         """Raw pooling output (`outputs.data`, a tensor) for `pooling_task`: `embed`,
         `classify` or `token_embed` (every token's final hidden state; a late-interaction
         model's normalised projected token vectors)."""
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "encode")
         if pooling_task == "token_classify":
             raise InvalidParamError(
                 "pooling_task='token_classify' (a label per token, for *ForTokenClassification "

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SchedulerConfig
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
@@ -68,6 +69,8 @@ class ScheduledRequest:
     long_context: bool = False
     """The request is longer than the model's `long_context_len`: its positions read the
     long-context rows of the rotary table."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass
@@ -112,6 +115,10 @@ class Scheduler:
         max_model_len: Longest sequence (prompt + output) a request may reach.
         long_context_len: The model's (see `CausalLM.long_context_len`); None: every
             length is computed alike.
+        max_loras: Most distinct LoRA adapters among the running requests (None: no
+            adapters). A waiting request whose adapter would be one too many waits, and
+            those behind it too (first come, first served), until a running adapter's
+            requests are done.
     """
 
     def __init__(
@@ -120,11 +127,13 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         long_context_len: int | None = None,
+        max_loras: int | None = None,
     ):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.long_context_len = long_context_len
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -229,6 +238,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.lora_request is not None and not self._adapter_fits(request):
+                break
             if self.long_context_len is not None and request.num_tokens > self.long_context_len:
                 self._enter_long_context(request)
             computed = self.kv_cache.get_computed_blocks(request)
@@ -261,6 +272,12 @@ class Scheduler:
             block_table=self.kv_cache.block_table,
             sync_next=blocked or sync_next,
         )
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's adapter can run beside the running requests': it is one of
+        theirs, or they use fewer than `max_loras`."""
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < (self.max_loras or 0)
 
     def _can_run_ahead(self, request: Request) -> bool:
         """Whether a request with a token in flight may be scheduled before it is known:
@@ -299,6 +316,7 @@ class Scheduler:
             spec_token_ids=spec,
             block_row=self.kv_cache.block_rows.get(request.request_id, -1),
             long_context=request.long_context,
+            lora_request=request.lora_request,
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:
