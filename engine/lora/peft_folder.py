@@ -44,6 +44,9 @@ _REFUSED = {
     "use_qalora": ((False, None), "QA-LoRA (use_qalora=True)"),
     "arrow_config": ((None,), "Arrow routing (arrow_config)"),
     "use_bdlora": ((None, False), "block-diagonal LoRA (use_bdlora)"),
+    "velora_config": ((None, {}), "VeLoRA (velora_config)"),
+    "monteclora_config": ((None, {}), "MonteCLoRA (monteclora_config)"),
+    "kasa_config": ((None, {}), "KaSA (kasa_config)"),
 }
 
 
@@ -224,6 +227,13 @@ def _pair_tensors(
                 raise adapter_error(
                     request, f"tensor {key!r} is {what}, which batchlm does not serve"
                 )
+        if ".base_layer." in name:
+            raise adapter_error(
+                request,
+                f"tensor {key!r} replaces the base model's {name.partition('.base_layer.')[0]} "
+                "weight (PEFT saves the embedding and output layers it adapts), which batchlm "
+                "does not serve; adapt the decoder projections only",
+            )
         module, _, leaf = name.rpartition(".lora_")
         if leaf not in ("A.weight", "B.weight"):
             why = "a LoRA bias (lora_bias)" if leaf.endswith(".bias") else "not a LoRA weight"
