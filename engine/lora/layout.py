@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..models.layers.linear import Linear, MergedLinear, RowParallelLinear
+from ..models.layers.moe import FusedMoE
 from .peft_folder import PeftAdapter
 
 _ALIGN = 64
@@ -119,6 +120,11 @@ class LoRALayout:
             return target, target.leaves.index(leaf)
         if ".experts." in path + "." or path.endswith(".experts"):
             what = "a mixture-of-experts expert (expert LoRA is not served)"
+        elif path in self.modules and isinstance(self.modules.get(parent), FusedMoE):
+            what = (
+                f"the mixture-of-experts gate {path!r} (routers and expert gates are not "
+                "adapted: list the attention and MLP projections in target_modules)"
+            )
         elif path in self.modules:
             what = (
                 f"the base model's {type(self.modules[path]).__name__} {path!r}, which is not "

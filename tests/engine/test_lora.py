@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from batchlm.engine import LLM, LoRARequest, SamplingParams
+from batchlm.engine.errors import InvalidParamError
 
 from .lora_reference import make_adapter, peft_greedy
 
-MAX_TOKENS = 12
+MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -25,6 +26,15 @@ def random_prompts(n: int, seed: int, lengths=(5, 40)) -> list[list[int]]:
     return [
         torch.randint(3, 49000, (lo + (i * 7) % (hi - lo),), generator=gen).tolist()
         for i in range(n)
+    ]
+
+
+def block_edge_prompts(seed: int) -> list[list[int]]:
+    """Prompts one token short of a full block (16): each needs a new block at its first
+    generated token, so a small cache must preempt."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 49000, (n,), generator=gen).tolist() for n in (15, 31, 15, 31, 47, 15, 31)
     ]
 
 
@@ -97,8 +107,8 @@ def test_mixed_adapters_and_base_prompts_match_peft(schedule, llama):
     are PEFT's for its adapter; no step runs more than two adapters, and requests start in
     the order they came (the adapters wait their turn)."""
     base, (a, b, c) = llama
-    prompts = random_prompts(8, seed=0)
-    loras = [a, None, b, c, a, c, None, b]
+    prompts = block_edge_prompts(seed=0)
+    loras = [a, None, b, c, a, c, b]
     llm = LLM(
         str(base), enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128,
         **SCHEDULES[schedule],
@@ -221,3 +231,27 @@ def test_smollm2_with_an_adapter_matches_peft(smollm2_dir, tmp_path):
     )
     assert got == expected_tokens(smollm2_dir, prompts, loras, max_tokens=8)
     assert got[0] != expected_tokens(smollm2_dir, prompts[:1], [None], max_tokens=8)[0]
+
+
+def test_mixture_of_experts_attention_and_shared_expert(tmp_path):
+    """Qwen2-MoE (q/k/v biases, a dense MLP layer, a shared expert beside the routed ones):
+    an adapter on the attention and the dense and shared-expert MLPs matches PEFT; one that
+    also adapts the shared expert's gate (`all-linear`) is refused naming it."""
+    from .test_moe import hf_model
+
+    base = tmp_path / "qwen2-moe"
+    hf_model("qwen2-moe").save_pretrained(base)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoRARequest(
+        "moe", 1, str(make_adapter(base, tmp_path / "moe", r=8, target_modules=projections))
+    )
+    gated = LoRARequest("gated", 2, str(make_adapter(base, tmp_path / "gated", r=8)))
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (6, 19, 11)]
+    loras = [lora, None, lora]
+    llm = LLM(str(base), enable_lora=True, max_model_len=128)
+    assert generate(llm, prompts, loras) == expected_tokens(base, prompts, loras)
+    with pytest.raises(
+        InvalidParamError, match="'gated'.*gate 'model.layers.0.mlp.shared_expert_gate'"
+    ):
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, lora_request=gated)

@@ -108,3 +108,25 @@ def test_beam_search_enqueue_and_chat_take_the_adapter(served):
     (queued_out,) = llm.wait_for_completion(use_tqdm=False)
     assert queued_out.request_id == queued[0]
     assert queued_out.outputs[0].token_ids == chat[0].outputs[0].token_ids
+
+
+def test_static_graph_path_stages_each_tokens_adapter(served):
+    """The padded static-buffer path the CUDA graphs replay, run eagerly (on CPU under the
+    interpreter): decode steps padded to the graph's size, each real token's slot staged in
+    place, padded rows without an adapter."""
+    base, _, a, b = served
+    llm = LLM(
+        str(base), enable_lora=True, max_loras=2, max_model_len=64, max_num_seqs=4,
+        attention_backend="triton", enforce_eager=True,
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": [1, 5, 6, 5, 6, 5, 6]}, {"prompt_token_ids": [1, 8, 9, 8]}]
+    prompts.append({"prompt_token_ids": [1, 300, 301]})
+    loras = [a, None, b]  # three rows padded to a graph of four
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eager = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    runner = llm.llm_engine.runner
+    runner.enable_decode_graphs(capture=False)
+    llm.reset_prefix_cache()
+    padded = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
+    assert runner.decode_graphs.num_lora_replays > 0
