@@ -19,7 +19,12 @@ A model with a `long_context_len` (LongRoPE) computes a sequence longer than it 
 rotary frequencies at every position. A request is marked `long_context` when it is
 admitted with more tokens than that, or, when a running request grows past it, its blocks
 are freed and it is computed again from its first token (like a preemption, not counted as
-one); draft tokens of a short request stop at the length. Pure Python: no tensors.
+one); draft tokens of a short request stop at the length.
+
+With LoRA adapters (`max_loras`), the running requests use at most `max_loras` distinct
+adapters: a waiting request whose adapter would be one too many stops admission until a
+running adapter's requests are done (first come, first served: a call with more adapters
+than slots completes in order of arrival). Pure Python: no tensors.
 """
 
 from __future__ import annotations

@@ -194,9 +194,10 @@ def test_fused_projections_match_peft(phi3):
     assert generate(llm, prompts, loras) == expected_tokens(base, prompts, loras)
 
 
-def test_fp8_base_weights_with_an_adapter(llama, tmp_path):
-    """quantization='fp8' (dequantised at load on CPU) with a float32 adapter: PEFT over the
-    same dequantised base weights."""
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantized_base_weights_with_an_adapter(method, llama, tmp_path):
+    """quantization='fp8' (dequantised at load on CPU) or 'int8' (weight-only, converted in
+    each matmul) with a float32 adapter: PEFT over the same dequantised base weights."""
     from transformers import AutoModelForCausalLM
 
     from batchlm.engine.models.layers.quant import FP8_DTYPE, dequantize, quantize_per_row
@@ -206,15 +207,15 @@ def test_fp8_base_weights_with_an_adapter(llama, tmp_path):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("_proj.weight"):
-                q = quantize_per_row(param.data, FP8_DTYPE)
+                q = quantize_per_row(param.data, FP8_DTYPE if method == "fp8" else torch.int8)
                 param.copy_(dequantize(q.values, q.scale, torch.float32))
-    model.save_pretrained(tmp_path / "fp8-reference")
+    model.save_pretrained(tmp_path / f"{method}-reference")
     prompts = random_prompts(3, seed=5)
     loras = [a, None, a]
-    llm = LLM(str(base), enable_lora=True, quantization="fp8", max_model_len=128)
-    expected = expected_tokens(tmp_path / "fp8-reference", prompts, loras)
+    llm = LLM(str(base), enable_lora=True, quantization=method, max_model_len=128)
+    expected = expected_tokens(tmp_path / f"{method}-reference", prompts, loras)
     assert generate(llm, prompts, loras) == expected
-    assert expected != expected_tokens(base, prompts, loras)  # fp8 changed something
+    assert expected != expected_tokens(base, prompts, loras)  # the quantisation changed some
 
 
 def test_smollm2_with_an_adapter_matches_peft(smollm2_dir, tmp_path):
