@@ -10,6 +10,7 @@ the layers launch nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ class LoRABatch:
     """Most rows of a tile (the shrink and expand kernels' `BLOCK_M`)."""
     fused: bool
     """At most `FUSED_MAX_ROWS` rows: one fused kernel per layer (no tiles)."""
+    groups: tuple[tuple[int, torch.Tensor | None], ...] = ()
+    """Off CUDA: `(slot, rows)` for every slot the step runs, `rows` the int64 indices of
+    its tokens (None: every row), for the PyTorch path."""
 
 
 class LoRAStepState:
@@ -137,8 +141,9 @@ class LoRABuffers:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True
+        groups = host_groups(token_slots) if self.device.type != "cuda" else ()
         if static is not None:
-            return static
+            return dataclasses.replace(static, groups=groups) if groups else static
         return LoRABatch(
             num_tokens=num_tokens,
             token_slots=dev["token_slots"][:num_tokens],
@@ -146,6 +151,7 @@ class LoRABuffers:
             tiles=dev["tiles"][:num_tiles],
             tile_rows=tile_rows,
             fused=fused,
+            groups=groups,
         )
 
     def _fused(self, num_tokens: int) -> bool:
@@ -159,6 +165,19 @@ class LoRABuffers:
         def put(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array, np.int32)).to(self.device)
 
+        groups = host_groups(token_slots) if self.device.type != "cuda" else ()
         return LoRABatch(
-            num_tokens, put(token_slots), put(token_ids), put(tiles), tile_rows, fused=False
+            num_tokens, put(token_slots), put(token_ids), put(tiles), tile_rows, False, groups
         )
+
+
+def host_groups(token_slots: np.ndarray) -> tuple[tuple[int, torch.Tensor | None], ...]:
+    """`(slot, rows)` per slot in `token_slots` (rows None when every row runs it)."""
+    slots = np.unique(token_slots)
+    if len(slots) == 1 and slots[0] >= 0:
+        return ((int(slots[0]), None),)
+    return tuple(
+        (int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)))
+        for slot in slots
+        if slot >= 0
+    )

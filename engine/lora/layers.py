@@ -3,7 +3,8 @@ output (`Linear.lora`), whatever computed the output (full precision, fp8, int8)
 
 Per adapted layer and step: on CUDA, one fused kernel when the step has at most
 `FUSED_MAX_ROWS` rows, else a shrink and an expand (two launches, each covering all of the
-layer's slices); elsewhere the kernels' PyTorch references. Nothing runs for a step without
+layer's slices); on the CPU the same sums in PyTorch, slot by slot (each slot's rows
+found once per step, `LoRABatch.groups`). Nothing runs for a step without
 adapters. The weights are views of the manager's slot buffer, so loading an adapter into a
 slot changes what every captured CUDA graph reads, and nothing else.
 """
@@ -61,6 +62,8 @@ class LinearLoRA:
                 f"the layer got {x.shape[0]} rows, the step's LoRA batch has {batch.num_tokens}"
             )
         if not use_triton_kernels(x):
+            if x.device.type != "cuda":  # the batch's groups were made for the host
+                return self._add_by_slot(x, out, batch.groups)
             shrunk = lora_shrink_ref(x, self.lora_a, batch.token_slots)
             return lora_expand_ref(shrunk, self.lora_b, out, batch.token_slots, self.slice_starts)
         if batch.fused:
@@ -100,3 +103,32 @@ class LinearLoRA:
             tile_rows=batch.tile_rows,
             block_n=EXPAND_BLOCK_N,
         )
+
+    def _add_by_slot(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        groups: tuple[tuple[int, torch.Tensor | None], ...],
+    ) -> torch.Tensor:
+        """The PyTorch path off CUDA: per slot the step runs, one shrink of its rows (all
+        slices at once) and one expand per slice, rounded as the kernels round."""
+        num_s, rank, num_k = self.lora_a.shape[1:]
+        for slot, rows in groups:
+            rows_x = x if rows is None else x[rows]  # [m, K]
+            a = self.lora_a[slot].reshape(num_s * rank, num_k)
+            b = self.lora_b[slot]  # [N, R]
+            shrunk = (rows_x.float() @ a.float().T).to(b.dtype).float()  # [m, S * R]
+            delta = torch.cat(
+                [
+                    shrunk[:, s * rank : (s + 1) * rank] @ b[start:end].float().T
+                    for s, (start, end) in enumerate(
+                        zip(self.slice_starts[:-1], self.slice_starts[1:], strict=True)
+                    )
+                ],
+                dim=1,
+            )  # [m, N]
+            if rows is None:
+                out.copy_((out.float() + delta).to(out.dtype))
+            else:
+                out[rows] = (out[rows].float() + delta).to(out.dtype)
+        return out

@@ -207,31 +207,31 @@ class DecodeGraphs:
             max_seq_len_is_bound=True,
         )
 
-    def _forward(self, q: int, size: int, with_lora: bool) -> torch.Tensor:
-        """The forward of a graph: `[size * q, hidden_size]`."""
+    def _forward(self, q: int, size: int, lora: LoRABatch | None = None) -> torch.Tensor:
+        """The forward of a graph: `[size * q, hidden_size]`, with the adapters of `lora`
+        (the graph's static batch, staged) or none."""
         t = self.buffers.tensors
         n = size * q
         if self.lora is None:
             return self.model(
                 t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
             )
-        with self.lora.running(self.lora_batches[(q, size)] if with_lora else None):
+        with self.lora.running(lora):
             return self.model(
                 t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
             )
 
-    def _stage_lora(self, inputs: StepInputs, q: int, size: int) -> bool:
+    def _stage_lora(self, inputs: StepInputs, q: int, size: int) -> LoRABatch | None:
         """Stage the step's token slots (padded rows without an adapter) into its adapter
-        graph's batch; False when no token runs an adapter."""
+        graph's batch; None when no token runs an adapter."""
         if self.lora is None or inputs.lora is None:
-            return False
+            return None
         slots = np.full(size * q, -1, np.int32)
         if q == 1:
             slots[: len(inputs.lora.token_slots)] = inputs.lora.token_slots
         else:
             slots[uniform_token_rows(inputs.query_start_loc, q)] = inputs.lora.token_slots
-        self.lora.stage(slots, self.lora_batches[(q, size)])
-        return True
+        return self.lora.stage(slots, self.lora_batches[(q, size)])
 
     def _shape_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The (tokens per row, batch size) graph that holds the step, if any."""
@@ -261,14 +261,15 @@ class DecodeGraphs:
         """
         q, size = self._shape_for(inputs)
         self.buffers.stage(inputs, size, self.buffers.capacity.table_width, q, samples)
-        with_lora = self._stage_lora(inputs, q, size)
+        lora = self._stage_lora(inputs, q, size)
+        with_lora = lora is not None
         self.num_replays += 1
         self.num_lora_replays += with_lora
         if self.is_captured:
             self.graphs[(q, size, with_lora)].replay()
             hidden = self.outputs[(q, size, with_lora)]
         else:
-            hidden = self._forward(q, size, with_lora)
+            hidden = self._forward(q, size, lora)
         if q == 1:
             return hidden[: len(inputs.seq_lens)]
         self.num_row_replays += 1
@@ -294,21 +295,22 @@ class DecodeGraphs:
                 # write no KV.
                 self.buffers.stage(StepInputs.empty(), size, self.buffers.capacity.table_width, q)
                 stream.wait_stream(torch.cuda.current_stream(device))
+                lora = self.lora_batches[(q, size)] if with_lora else None
                 with torch.cuda.stream(stream):
                     # Compiles and loads this shape's kernels (not allowed during capture)
                     # and sets up the libraries' per-stream state.
-                    self._forward(q, size, with_lora)
+                    self._forward(q, size, lora)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[(q, size, with_lora)] = self._forward(q, size, with_lora)
+                    self.outputs[(q, size, with_lora)] = self._forward(q, size, lora)
                 pool = graph.pool()
                 self.graphs[(q, size, with_lora)] = graph
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         used = torch.cuda.memory_reserved(device) - reserved_before
         logger.info(
-            "CUDA graphs: %d shapes captured (tokens per row → sizes: %s; %.0f MiB)",
+            "CUDA graphs: %d captured (tokens per row → sizes: %s; %.0f MiB)",
             len(self.graphs),
             {q: f"{s[0]}..{s[-1]}" for q, s in self.row_sizes.items()},
             used / 2**20,
