@@ -71,7 +71,9 @@ class LLM(PoolingMixin):
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
             `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
-            `metrics_port`, ...). An unknown name raises `TypeError` listing the valid ones.
+            `metrics_port`, and LoRA's `enable_lora`, `max_loras`, `max_lora_rank`,
+            `max_cpu_loras`, `lora_dtype`, ...). An unknown name raises `TypeError` listing
+            the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams

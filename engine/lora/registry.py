@@ -43,7 +43,8 @@ class LoRARegistry:
         """
         known = self._by_id.get(request.lora_int_id)
         if known is not None:
-            if known.lora_name != request.lora_name or known.lora_path != request.lora_path:
+            moved = _where(known.lora_path) != _where(request.lora_path)
+            if known.lora_name != request.lora_name or moved:
                 raise InvalidParamError(
                     f"LoRA adapter {request.lora_name!r} ({request.lora_path}) has "
                     f"lora_int_id={request.lora_int_id}, which this engine already runs as "
@@ -117,3 +118,8 @@ class LoRAModules:
     def fingerprint(self) -> dict[str, str]:
         """Name → a hash of its folder's files (`adapter_fingerprint`)."""
         return {name: adapter_fingerprint(r.lora_path) for name, r in self._requests.items()}
+
+
+def _where(path: str) -> str:
+    """A folder's path as the same folder always spells it."""
+    return os.path.realpath(os.path.expanduser(path))

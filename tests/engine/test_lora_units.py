@@ -61,6 +61,7 @@ def test_registry_keeps_one_name_and_folder_per_id():
     assert registry.check(a)
     registry.add(a)
     assert not registry.check(LoRARequest("a", 1, "/adapters/a"))  # the same adapter again
+    assert not registry.check(LoRARequest("a", 1, "/adapters/./a/"))  # the same folder
     with pytest.raises(InvalidParamError, match="already runs as 'a'"):
         registry.check(adapter("b", 1))
     with pytest.raises(InvalidParamError, match="already runs as 'a'"):
