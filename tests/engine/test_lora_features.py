@@ -130,3 +130,26 @@ def test_static_graph_path_stages_each_tokens_adapter(served):
     padded = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
     assert runner.decode_graphs.num_lora_replays > 0
+
+
+def test_the_kernel_path_matches_peft(served, monkeypatch):
+    """The layers' CUDA path on the CPU, its kernels under the interpreter: a prefill of
+    three prompts over two adapters and the base model (shrink + expand over tiles of one
+    slot), then decode steps of three rows (the fused kernel)."""
+    import batchlm.engine.lora.batch as batch
+    import batchlm.engine.lora.layers as layers
+
+    monkeypatch.setattr(layers, "use_triton_kernels", lambda x: True)
+    monkeypatch.setattr(batch, "host_groups", lambda slots: ())
+    monkeypatch.setattr(batch.LoRABuffers, "_fused", lambda self, n: n <= 4)
+    base, _, a, b = served
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_model_len=64)
+    prompts = [[1, 640, 3000, 77, 12], [1, 9, 15000], [1, 77, 908, 4012, 33, 7]]
+    loras = [a, None, b]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+    )
+    for p, lora, out in zip(prompts, loras, outs, strict=True):
+        expected = peft_greedy(base, lora.lora_path if lora else None, [p], 4)[0]
+        assert out.outputs[0].token_ids == expected
