@@ -10,6 +10,7 @@ from .errors import (
 )
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
+from .lora.request import LoRARequest
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -29,6 +30,7 @@ from .structured_outputs_params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "PoolingParams",

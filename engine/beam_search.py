@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .errors import InvalidParamError
 from .inputs import PromptType, normalize_prompts
+from .lora.request import lora_requests_per_prompt
 from .outputs import Logprob
 from .sampling_params import SamplingParams
 
@@ -135,6 +136,7 @@ def beam_search(
     prompts: PromptType | Sequence[PromptType],
     params: BeamSearchParams,
     use_tqdm: bool = False,
+    lora_request: Any = None,
 ) -> list[BeamSearchOutput]:
     """Beam search for every prompt, driven through `llm.generate` only.
 
@@ -145,6 +147,8 @@ def beam_search(
             of them. Text is tokenized with `llm.get_tokenizer()` as `generate` would.
         params: The search's width, length and scoring.
         use_tqdm: Show a progress bar over the steps.
+        lora_request: A `LoRARequest` for every prompt, or one (or None) per prompt: each
+            prompt's beams run its adapter.
 
     Returns:
         One `BeamSearchOutput` per prompt, in input order, with at most `beam_width`
@@ -163,6 +167,8 @@ def beam_search(
         _PromptSearch([BeamSearchSequence(ids, [], num_prompt_tokens=len(ids))])
         for ids in _prompt_token_ids(prompts, tokenizer)
     ]
+    loras = lora_requests_per_prompt(lora_request, len(searches))
+    lora_of = {id(search): lora for search, lora in zip(searches, loras, strict=True)}
     # ignore_eos is always on here: EOS is handled by the search, not by the engine.
     step_params = SamplingParams(
         max_tokens=1,
@@ -184,10 +190,14 @@ def beam_search(
                 search.beams = []
             if not live:
                 break
+            adapters = {}
+            if any(loras):
+                adapters["lora_request"] = [lora_of[id(search)] for search, _ in live]
             results = llm.generate(
                 [{"prompt_token_ids": beam.tokens} for _, beam in live],
                 step_params,
                 use_tqdm=False,
+                **adapters,
             )
             for (search, beam), result in zip(live, results, strict=True):
                 _extend(search, beam, result.outputs[0].logprobs, eos_token_ids)

@@ -304,6 +304,24 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served per request (`LLM(enable_lora=True, ...)`, vLLM's names; see
+    `lora/`)."""
+
+    max_loras: int = 1
+    """Most distinct adapters in one step: the device slots their weights are copied into.
+    Requests of further adapters wait until a slot's requests are done."""
+    max_lora_rank: int = 16
+    """The slots' rank: adapters of a higher rank are refused, lower ones zero-padded.
+    Each step computes at this rank, so keep it at the largest rank served."""
+    max_cpu_loras: int = 1
+    """Parsed adapters kept in host memory (least recently used dropped past it), so that
+    an adapter coming back to a slot is not read from disk again; at least `max_loras`."""
+    lora_dtype: torch.dtype = torch.float32
+    """dtype of the adapters' weights on the device (`auto`: the model's)."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
@@ -325,6 +343,8 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     """The grammar engine of requests with `structured_outputs` (compiled when one first
     asks for it: an engine that never sees one never imports it)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters per request; None: `lora_request` is refused."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):

@@ -23,6 +23,7 @@ from .config import (
     DeviceConfig,
     EngineConfig,
     GenerationDefaults,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -95,6 +96,11 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     max_logprobs: int = 20
     pooler_config: Any = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str | torch.dtype = "auto"
 
     def __post_init__(self) -> None:
         # vLLM's None for these means "the engine's default".
@@ -229,6 +235,7 @@ class EngineArgs:
             return_sampling_mask=self.return_sampling_mask,
             speculative=speculative,
             structured_outputs=self._structured_outputs(runner_type),
+            lora=self._lora(runner_type, dtype, speculative),
         )
 
     def _check_executor_backend(self) -> None:
@@ -268,6 +275,33 @@ class EngineArgs:
                 "or drop pooler_config"
             )
         return config
+
+    def _lora(
+        self, runner_type: str, dtype: torch.dtype, speculative: SpeculativeConfig | None
+    ) -> LoRAConfig | None:
+        from .lora.options import DEFAULTS, parse_lora_options
+
+        lora = parse_lora_options(
+            self.enable_lora, {key: getattr(self, key) for key in DEFAULTS}, dtype
+        )
+        if lora is None:
+            return None
+        if runner_type != "generate":
+            raise InvalidParamError(
+                "enable_lora=True applies to generation; pooling models (embed / classify / "
+                "score) run the base model: drop enable_lora"
+            )
+        if speculative is not None and speculative.method == "draft_model":
+            raise InvalidParamError(
+                "enable_lora=True with a draft model (method='draft_model'): the draft runs "
+                "without the requests' adapters; use method='ngram' or drop enable_lora"
+            )
+        if self.batch_invariant:
+            raise InvalidParamError(
+                "batch_invariant=True does not cover LoRA adapters (their kernels split "
+                "their sums by the step's size); drop one of the two"
+            )
+        return lora
 
     def _structured_outputs(self, runner_type: str) -> StructuredOutputsConfig:
         from .structured_output import parse_structured_outputs_config

@@ -7,7 +7,7 @@ from typing import Any, TypedDict
 
 from typing_extensions import NotRequired
 
-from .errors import InvalidParamError, InvalidPromptError
+from .errors import InvalidPromptError
 
 
 class TextPrompt(TypedDict):
@@ -60,17 +60,6 @@ def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptErr
             f"{text[e.start]!r} at offset {e.start}; clean the text, e.g. "
             "text.encode('utf-8', 'replace').decode()"
         ) from None
-
-
-def check_unsupported_options(lora_request: Any = None) -> None:
-    """vLLM's per-call `lora_request`: None (its default) is accepted, so that vLLM code
-    runs unchanged; anything else is refused, naming the value."""
-    if lora_request is not None:
-        raise InvalidParamError(
-            f"lora_request={lora_request!r}: LoRA adapters are not supported; merge the "
-            "adapter into the base weights (for example peft's merge_and_unload) and load "
-            "the merged folder"
-        )
 
 
 def _check_prompt_keys(prompt: dict, index: int, token_types: bool) -> None:

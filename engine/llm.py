@@ -16,9 +16,10 @@ from .engine_args import EngineArgs
 from .errors import EngineDeadError, InvalidParamError
 from .gc_freeze import gc_heap_frozen
 from .generation_inputs import prepare_requests, require_tokenizer
-from .inputs import PromptType, check_text, check_unsupported_options
+from .inputs import PromptType, check_text
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
+from .lora.request import add_lora_requests
 from .metrics import Metric
 from .outputs import RequestOutput
 from .pooling_engine import PoolingEngine
@@ -71,10 +72,11 @@ class LLM(PoolingMixin):
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
             `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
-            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, ...), and every other
-            option of vLLM 0.26's `EngineArgs` as `vllm_options.VLLM_OPTIONS` says (no
-            effect, or refused unless at vLLM's default). A name that is neither raises
-            `TypeError` listing the valid ones.
+            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, and LoRA's
+            `enable_lora`, `max_loras`, `max_lora_rank`, `max_cpu_loras`, `lora_dtype`,
+            ...), and every other option of vLLM 0.26's `EngineArgs` as
+            `vllm_options.VLLM_OPTIONS` says (no effect, or refused unless at vLLM's
+            default). A name that is neither raises `TypeError` listing the valid ones.
 
     Example:
         >>> from batchlm.engine import LLM, SamplingParams
@@ -305,14 +307,17 @@ class LLM(PoolingMixin):
         Args:
             use_tqdm: Show a progress bar; a callable (say `functools.partial(tqdm,
                 leave=False)`) makes the bar, as in vLLM.
-            lora_request: vLLM's; only None (LoRA adapters are not supported).
+            lora_request: A `LoRARequest` for every prompt, or a list with one (or None,
+                the base model) per prompt; needs `LLM(enable_lora=True)`. Each adapter is
+                read and checked before any request starts.
             priority: One int per prompt: with `LLM(scheduling_policy="priority")`, lower
                 values are scheduled first (and preempted last); under "fcfs" only zeros.
         """
-        check_unsupported_options(lora_request)
         self._require_generation("generate").sleep_state.check_awake("generate()")
         with gc_heap_frozen():
-            request_ids = self._add_prompts(prompts, sampling_params, priority=priority)
+            request_ids = self._add_prompts(
+                prompts, sampling_params, priority=priority, lora_request=lora_request
+            )
             return self._run_engine(request_ids, use_tqdm)
 
     def enqueue(
@@ -329,9 +334,8 @@ class LLM(PoolingMixin):
         `use_tqdm` shows the requests being added (a bool or a bar factory); `lora_request`
         and `priority` as in `generate`. Requests may be enqueued while the engine sleeps.
         """
-        check_unsupported_options(lora_request)
         self._require_generation("enqueue")
-        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm, priority)
+        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm, priority, lora_request)
         self._enqueued.extend(request_ids)
         return request_ids
 
@@ -416,13 +420,15 @@ class LLM(PoolingMixin):
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: Any = None,
     ) -> list[BeamSearchOutput]:
         """Beam search; returns one `BeamSearchOutput` per prompt, best sequences first.
+        `lora_request` as in `generate` (each prompt's beams run its adapter).
 
         Example:
             >>> llm.beam_search(["The sky is"], BeamSearchParams(beam_width=4, max_tokens=16))
         """
-        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm)
+        return run_beam_search(self, prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))
@@ -484,17 +490,19 @@ class LLM(PoolingMixin):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any] = False,
         priority: Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> list[str]:
         engine = self.llm_engine
         requests = prepare_requests(
             engine, prompts, sampling_params, priority, self.get_default_sampling_params()
         )
+        loras = add_lora_requests(engine, lora_request, len(requests))
         request_ids = []
         bar = progress_bar(use_tqdm, len(requests), "Adding requests", "it")
         try:
-            for r in requests:
+            for r, lora in zip(requests, loras, strict=True):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, r.prompt_token_ids, r.params, r.prompt, r.priority)
+                engine.add_request(rid, r.prompt_token_ids, r.params, r.prompt, r.priority, lora)
                 request_ids.append(rid)
                 bar.update(1)
         finally:

@@ -18,6 +18,8 @@ from .core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, Schedu
 from .engine_base import EngineBase
 from .errors import InvalidParamError
 from .loader.generation_config import end_of_generation_ids
+from .lora.registry import LoRARegistry
+from .lora.request import LoRARequest
 from .metrics import FinishedRequestStats
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -92,7 +94,10 @@ class LLMEngine(EngineBase):
             self.kv_cache,
             max_len,
             long_context_len=getattr(self.runner.model, "long_context_len", None),
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
+        self.loras = LoRARegistry()
+        """The adapters this engine has been given (`add_lora`)."""
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec: SpecDecodeManager | None = None
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
@@ -152,6 +157,24 @@ class LLMEngine(EngineBase):
     def num_kv_blocks(self) -> int:
         return self.kv_cache.pool.num_blocks
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and read it into the host cache, as vLLM's `add_lora`; False
+        when the engine has it already.
+
+        Raises:
+            InvalidParamError: LoRA is off, the adapter is refused, or its id or name is
+                another adapter's; the engine goes on serving.
+        """
+        if not self.loras.check(lora_request):
+            return False
+        self.runner.add_lora(lora_request)
+        self.loras.add(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters given so far."""
+        return self.loras.ids()
+
     def add_request(
         self,
         request_id: str,
@@ -159,10 +182,14 @@ class LLMEngine(EngineBase):
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a validated request (n > 1 becomes n child requests, of one priority)."""
+        """Queue a validated request (n > 1 becomes n child requests, of one priority and
+        adapter); its adapter is loaded with `add_lora` if it is new."""
+        if lora_request is not None and lora_request.lora_int_id not in self.loras:
+            self.add_lora(lora_request)
         if params.n == 1:
-            self._add(request_id, prompt_token_ids, params, prompt, None, priority)
+            self._add(request_id, prompt_token_ids, params, prompt, None, priority, lora_request)
             return
         # Siblings always share the prompt's full blocks: with prefix caching off, a salt
         # private to this prompt keeps the sharing among them.
@@ -175,7 +202,7 @@ class LLMEngine(EngineBase):
             if params.seed is not None:
                 child.seed = params.seed + i
             self._child_parent[child_id] = (request_id, i)
-            self._add(child_id, prompt_token_ids, child, prompt, salt, priority)
+            self._add(child_id, prompt_token_ids, child, prompt, salt, priority, lora_request)
 
     def _add(
         self,
@@ -185,6 +212,7 @@ class LLMEngine(EngineBase):
         prompt: str | None,
         cache_salt: int | None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         request = Request(
             request_id=request_id,
@@ -194,6 +222,7 @@ class LLMEngine(EngineBase):
             arrival_index=next(self._arrivals),
             cache_salt=cache_salt,
             priority=priority,
+            lora_request=lora_request,
         )
         self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:

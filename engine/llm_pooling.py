@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from .errors import EngineDeadError, InvalidParamError, InvalidPromptError
-from .inputs import PromptType, check_text, check_unsupported_options, prompt_list
+from .inputs import PromptType, check_text, prompt_list
+from .lora.request import refuse_lora_for_pooling
 from .outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -63,7 +64,7 @@ class PoolingMixin(PoolingInputsMixin):
             >>> llm = LLM("sentence-transformers/all-MiniLM-L6-v2")
             >>> vectors = [o.outputs.embedding for o in llm.embed(["hello", "world"])]
         """
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "embed")
         runner = self._pooling_runner("embed", "embed")
         with _gc_paused():
             # Host vectors: each output's list is made when it is read.
@@ -117,7 +118,7 @@ class PoolingMixin(PoolingInputsMixin):
         lora_request: Any = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax; sigmoid for single-label models)."""
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "classify")
         runner = self._pooling_runner("classify", "classify")
         with _gc_paused():
             inputs, probs = self._pool(
@@ -146,7 +147,7 @@ class PoolingMixin(PoolingInputsMixin):
         """
         from .worker.pooling_runner import PackedInputs
 
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "score")
         start = time.perf_counter()
         runner = self._pooling_runner("score", None)
         left, right = _score_pairs(data_1, data_2)
@@ -208,7 +209,7 @@ class PoolingMixin(PoolingInputsMixin):
         model serves (as in vLLM): `embed`, `classify`, or `token_embed` (every token's
         vector: a late-interaction model's, or an embedding model's built with
         `pooler_config={"task": "token_embed"}`). Another task raises vLLM's error."""
-        check_unsupported_options(lora_request)
+        refuse_lora_for_pooling(lora_request, "encode")
         if pooling_task == "token_classify":
             runner = self._pooling_runner("encode", None)
             phrase = (

@@ -157,4 +157,5 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             metrics=request.metrics,
+            lora_request=request.lora_request,
         )

@@ -117,6 +117,8 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     metrics: RequestMetrics | None = field(default=None, repr=False)
     """Timestamps of the request when the engine collects statistics; else None."""
+    lora_request: Any = None
+    """The `LoRARequest` the prompt ran with (None: the base model)."""
 
 
 class _LazyField:

@@ -63,9 +63,18 @@ _DATA_PARALLEL = (
 )
 _EXPERT_PARALLEL = "mixture-of-experts layers split their experts over tensor_parallel_size ranks"
 _ONE_NODE = "an engine runs on one machine; its ranks rendezvous over a local TCP store"
-_LORA = (
-    "LoRA adapters are not supported: merge the adapter into the base weights (peft's "
-    "merge_and_unload) and load the merged folder"
+_LORA_SHARDING = (
+    "under tensor parallelism each rank holds its part of every adapter's A and B, split "
+    "with the layer they adapt"
+)
+_LORA_KERNELS = "the LoRA kernels run only for the adapters of each step, whatever their number"
+_LORA_TARGETS = (
+    "an adapter applies to the modules its adapter_config.json targets; to leave some "
+    "out, save the adapter without them (peft's target_modules)"
+)
+_LORA_EXPERTS = (
+    "LoRA on mixture-of-experts experts is refused by name; adapters apply to attention and "
+    "dense / shared-expert MLPs"
 )
 _OBSERVABILITY = (
     "batchlm's statistics are its Prometheus metrics (disable_log_stats=False, metrics_port)"
@@ -370,18 +379,18 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "jit_monitor_verbose": _no_effect("nothing is compiled with torch.compile"),
     "enable_mm_processor_stats": _no_effect(_MULTIMODAL),
     # ---- LoRA -----------------------------------------------------------------------------
-    "enable_lora": _refused(_LORA),
-    "max_loras": _no_effect(_LORA, 1),
-    "max_lora_rank": _no_effect(_LORA, 16),
-    "default_mm_loras": _no_effect(_LORA),
-    "fully_sharded_loras": _no_effect(_LORA),
-    "max_cpu_loras": _no_effect(_LORA),
-    "lora_dtype": _no_effect(_LORA, "auto"),
-    "lora_target_modules": _no_effect(_LORA),
-    "enable_tower_connector_lora": _no_effect(_LORA),
-    "specialize_active_lora": _no_effect(_LORA),
-    "enable_mixed_moe_lora_format": _no_effect(_LORA),
-    "enable_moe_shared_loras": _no_effect(_LORA),
+    "enable_lora": _SAME,
+    "max_loras": _SAME,
+    "max_lora_rank": _SAME,
+    "max_cpu_loras": _SAME,
+    "lora_dtype": _SAME,
+    "default_mm_loras": _no_effect(_MULTIMODAL),
+    "enable_tower_connector_lora": _no_effect(_MULTIMODAL),
+    "fully_sharded_loras": _no_effect(_LORA_SHARDING),
+    "specialize_active_lora": _no_effect(_LORA_KERNELS),
+    "lora_target_modules": _refused(_LORA_TARGETS),
+    "enable_mixed_moe_lora_format": _refused(_LORA_EXPERTS),
+    "enable_moe_shared_loras": _refused(_LORA_EXPERTS),
     # ---- multimodal ------------------------------------------------------------------------
     "limit_mm_per_prompt": _no_effect(_MULTIMODAL),
     "enable_mm_embeds": _no_effect(_MULTIMODAL),

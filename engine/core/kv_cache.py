@@ -11,7 +11,8 @@ A sequence keeps all its blocks whatever its layers' sliding windows: blocks out
 window are not freed early (with global layers, as in Gemma 2 / 3, they are needed anyway),
 which keeps prefix caching and preemption unchanged. A request of a LongRoPE model that
 outgrew the model's short context (`Request.long_context`) hashes its blocks apart from a
-short sequence's with the same tokens: they hold other keys.
+short sequence's with the same tokens: they hold other keys. So does a request that runs a
+LoRA adapter (by the adapter's id): two adapters never share a block.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .request import Request
 
 _ROOT_HASH = 0x6261746368
 _LONG_CONTEXT_SALT = 0x6C6F6E67
+_LORA_SALT = 0x6C6F7261
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: int | None = None) -> int:
@@ -218,6 +220,8 @@ class KVCacheManager:
         salt = request.cache_salt
         if request.long_context:  # the same tokens hold other KV in a long sequence
             salt = hash((salt, _LONG_CONTEXT_SALT))
+        if request.lora_int_id:  # and under another adapter
+            salt = hash((salt, _LORA_SALT, request.lora_int_id))
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None

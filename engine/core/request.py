@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..lora.request import LoRARequest
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class Request:
     priority: int = 0
     """Under the `priority` scheduling policy, lower values start first (and are preempted
     last); ties go by arrival. Ignored under `fcfs`."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
@@ -100,6 +103,11 @@ class Request:
         """The sequence outgrew the model's `long_context_len`: its KV is computed with the
         long-context rotary frequencies (LongRoPE), and hashed apart from a short
         sequence's. Once set, it stays."""
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,12 @@ A model with a `long_context_len` (LongRoPE) computes a sequence longer than it 
 rotary frequencies at every position. A request is marked `long_context` when it is
 admitted with more tokens than that, or, when a running request grows past it, its blocks
 are freed and it is computed again from its first token (like a preemption, not counted as
-one); draft tokens of a short request stop at the length. Pure Python: no tensors.
+one); draft tokens of a short request stop at the length.
+
+With LoRA adapters (`max_loras`), the running requests use at most `max_loras` distinct
+adapters: a waiting request whose adapter would be one too many stops admission until a
+running adapter's requests are done (first come, first served: a call with more adapters
+than slots completes in order of arrival). Pure Python: no tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SchedulerConfig
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
@@ -70,6 +76,8 @@ class ScheduledRequest:
     long_context: bool = False
     """The request is longer than the model's `long_context_len`: its positions read the
     long-context rows of the rotary table."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass
@@ -114,6 +122,10 @@ class Scheduler:
         max_model_len: Longest sequence (prompt + output) a request may reach.
         long_context_len: The model's (see `CausalLM.long_context_len`); None: every
             length is computed alike.
+        max_loras: Most distinct LoRA adapters among the running requests (None: no
+            adapters). A waiting request whose adapter would be one too many waits, and
+            those behind it too (first come, first served), until a running adapter's
+            requests are done.
     """
 
     def __init__(
@@ -122,11 +134,13 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         long_context_len: int | None = None,
+        max_loras: int | None = None,
     ):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.long_context_len = long_context_len
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         """Requests not running, the next to start first (see `request_queue.py`)."""
@@ -239,6 +253,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.lora_request is not None and not self._adapter_fits(request):
+                break
             if self.long_context_len is not None and request.num_tokens > self.long_context_len:
                 self._enter_long_context(request)
             computed = self.kv_cache.get_computed_blocks(request)
@@ -271,6 +287,12 @@ class Scheduler:
             block_table=self.kv_cache.block_table,
             sync_next=blocked or sync_next,
         )
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's adapter can run beside the running requests': it is one of
+        theirs, or they use fewer than `max_loras`."""
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < (self.max_loras or 0)
 
     def _can_run_ahead(self, request: Request) -> bool:
         """Whether a request with a token in flight may be scheduled before it is known:
@@ -309,6 +331,7 @@ class Scheduler:
             spec_token_ids=spec,
             block_row=self.kv_cache.block_rows.get(request.request_id, -1),
             long_context=request.long_context,
+            lora_request=request.lora_request,
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:

@@ -34,10 +34,13 @@ import bisect
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import EngineConfig
+from ..lora.batch import LoRABatch
+from ..lora.manager import LoRAManager
 from .step_buffers import (
     StepBuffers,
     StepInputs,
@@ -109,6 +112,9 @@ class DecodeGraphs:
         capture: Capture CUDA graphs; False runs the padded forward eagerly (any device).
         row_sizes: Further graphs: tokens per row (> 1) → batch sizes, ascending
             (`row_graph_sizes`), for verification steps.
+        lora: The runner's LoRA adapters: every shape is captured twice, without adapters
+            (steps where no token runs one replay it, paying nothing for them) and with
+            the LoRA kernels reading the fixed slot and batch buffers.
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class DecodeGraphs:
         max_seq_len: int,
         capture: bool,
         row_sizes: dict[int, Sequence[int]] | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         if backend.name != "triton":
             raise ValueError(
@@ -142,21 +149,28 @@ class DecodeGraphs:
                 self.row_sizes[q] = fitting
         self.max_seq_len = max_seq_len
         self.is_captured = capture
+        self.lora = lora
         self.metadata: dict[tuple[int, int], AttentionMetadata] = {}
         """(tokens per row, batch size) → the static metadata its forward reads (views of
         the buffers)."""
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        """(tokens per row, batch size) → the graph's output hidden states
+        self.lora_batches: dict[tuple[int, int], LoRABatch] = {}
+        """(tokens per row, batch size) → the static LoRA batch of its adapter graph."""
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
+        """(tokens per row, batch size, with adapters) → the graph's output hidden states
         `[size * tokens per row, hidden_size]`."""
         self.num_replays = 0
         """Steps run through this path (tests check it is taken)."""
         self.num_row_replays = 0
         """Of those, steps with more than one token per row."""
+        self.num_lora_replays = 0
+        """Of those, steps with adapters."""
         for key in self.shapes:
             metadata = self._static_metadata(*key)
             backend.prepare(metadata)
             self.metadata[key] = metadata
+            if lora is not None:
+                self.lora_batches[key] = lora.static_batch(key[0] * key[1])
         if capture:
             self._capture_all()
 
@@ -193,12 +207,31 @@ class DecodeGraphs:
             max_seq_len_is_bound=True,
         )
 
-    def _forward(self, q: int, size: int) -> torch.Tensor:  # [size * q, hidden_size]
+    def _forward(self, q: int, size: int, lora: LoRABatch | None = None) -> torch.Tensor:
+        """The forward of a graph: `[size * q, hidden_size]`, with the adapters of `lora`
+        (the graph's static batch, staged) or none."""
         t = self.buffers.tensors
         n = size * q
-        return self.model(
-            t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
-        )
+        if self.lora is None:
+            return self.model(
+                t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
+            )
+        with self.lora.running(lora):
+            return self.model(
+                t.input_ids[:n], t.positions[:n], self.kv_caches, self.metadata[(q, size)]
+            )
+
+    def _stage_lora(self, inputs: StepInputs, q: int, size: int) -> LoRABatch | None:
+        """Stage the step's token slots (padded rows without an adapter) into its adapter
+        graph's batch; None when no token runs an adapter."""
+        if self.lora is None or inputs.lora is None:
+            return None
+        slots = np.full(size * q, -1, np.int32)
+        if q == 1:
+            slots[: len(inputs.lora.token_slots)] = inputs.lora.token_slots
+        else:
+            slots[uniform_token_rows(inputs.query_start_loc, q)] = inputs.lora.token_slots
+        return self.lora.stage(slots, self.lora_batches[(q, size)])
 
     def _shape_for(self, inputs: StepInputs) -> tuple[int, int] | None:
         """The (tokens per row, batch size) graph that holds the step, if any."""
@@ -228,12 +261,15 @@ class DecodeGraphs:
         """
         q, size = self._shape_for(inputs)
         self.buffers.stage(inputs, size, self.buffers.capacity.table_width, q, samples)
+        lora = self._stage_lora(inputs, q, size)
+        with_lora = lora is not None
         self.num_replays += 1
+        self.num_lora_replays += with_lora
         if self.is_captured:
-            self.graphs[(q, size)].replay()
-            hidden = self.outputs[(q, size)]
+            self.graphs[(q, size, with_lora)].replay()
+            hidden = self.outputs[(q, size, with_lora)]
         else:
-            hidden = self._forward(q, size)
+            hidden = self._forward(q, size, lora)
         if q == 1:
             return hidden[: len(inputs.seq_lens)]
         self.num_row_replays += 1
@@ -252,25 +288,29 @@ class DecodeGraphs:
         pool = None
         # Largest first (by tokens): smaller graphs reuse its memory. The order is the same
         # on every tensor-parallel rank.
+        variants = (False, True) if self.lora is not None else (False,)
         for q, size in sorted(self.shapes, key=lambda k: (k[0] * k[1], k), reverse=True):
-            # Every row padding: the warm-up and the capture write no KV.
-            self.buffers.stage(StepInputs.empty(), size, self.buffers.capacity.table_width, q)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                # Compiles and loads this shape's kernels (not allowed during capture) and
-                # sets up the libraries' per-stream state.
-                self._forward(q, size)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[(q, size)] = self._forward(q, size)
-            pool = graph.pool()
-            self.graphs[(q, size)] = graph
+            for with_lora in variants:
+                # Every row padding (and without an adapter): the warm-up and the capture
+                # write no KV.
+                self.buffers.stage(StepInputs.empty(), size, self.buffers.capacity.table_width, q)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                lora = self.lora_batches[(q, size)] if with_lora else None
+                with torch.cuda.stream(stream):
+                    # Compiles and loads this shape's kernels (not allowed during capture)
+                    # and sets up the libraries' per-stream state.
+                    self._forward(q, size, lora)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[(q, size, with_lora)] = self._forward(q, size, lora)
+                pool = graph.pool()
+                self.graphs[(q, size, with_lora)] = graph
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         used = torch.cuda.memory_reserved(device) - reserved_before
         logger.info(
-            "CUDA graphs: %d shapes captured (tokens per row → sizes: %s; %.0f MiB)",
+            "CUDA graphs: %d captured (tokens per row → sizes: %s; %.0f MiB)",
             len(self.graphs),
             {q: f"{s[0]}..{s[-1]}" for q, s in self.row_sizes.items()},
             used / 2**20,

@@ -34,6 +34,8 @@ from ..attention.selector import get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from ..loader.weights import build_model
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest
 from ..models.layers.linear import make_batch_invariant
 from ..models.registry import get_model_class
 from . import kv_cache_sizing
@@ -125,6 +127,12 @@ class ModelRunner:
         self.buffers = StepBuffers(
             sched.max_num_batched_tokens, sched.max_num_seqs, self.max_blocks_per_seq, self.device
         )
+        self.lora = (
+            LoRAManager(config.lora, self.model, self.device, sched.max_num_batched_tokens)
+            if config.lora is not None
+            else None
+        )
+        """The model's LoRA adapters (None without `enable_lora`)."""
         self.use_cuda_graphs = (
             self.device.type == "cuda"
             and self.backend.name == "triton"
@@ -169,6 +177,22 @@ class ModelRunner:
         )
         if config.device.batch_invariant:
             make_batch_invariant(self.model)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter for this model (kept in the host cache).
+
+        Raises:
+            InvalidParamError: without `enable_lora`, or the adapter is refused (the
+                message names it and the setting).
+        """
+        if self.lora is None:
+            from ..errors import InvalidParamError
+
+            raise InvalidParamError(
+                f"LoRA adapter {request.lora_name!r}: this engine was built without "
+                "enable_lora=True"
+            )
+        self.lora.add_adapter(request)
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -286,6 +310,7 @@ class ModelRunner:
         self.decode_graphs = None  # its graphs hold their memory pool and the KV cache
         self.kv_caches = []
         self.model = None
+        self.lora = None
 
     @torch.inference_mode()
     def enable_decode_graphs(self, capture: bool = True) -> None:
@@ -308,6 +333,7 @@ class ModelRunner:
             self.config.model.max_model_len,
             capture=capture,
             row_sizes=verify_graph_sizes(self.config),
+            lora=self.lora,
         )
 
     # ---- one step ---------------------------------------------------------------------
@@ -470,6 +496,9 @@ class ModelRunner:
             prompt_targets=prompt.targets,
             fill_rows=fill_rows,
             fill_src=fill_src,
+            lora=self.lora.step_inputs([r.lora_request for r in reqs], query_lens)
+            if self.lora is not None
+            else None,
         )
         return inputs, prompt.jobs
 
@@ -501,6 +530,8 @@ class ModelRunner:
     def _forward_on_device(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.decode_graphs
         samples = self._last_samples.token_ids if self._last_samples is not None else None
+        if self.lora is not None:
+            self.lora.apply_loads(inputs.lora)
         if graphs is not None and graphs.can_run(inputs):
             return graphs.run(inputs, samples)
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
@@ -520,7 +551,10 @@ class ModelRunner:
             if len(inputs.fill_rows):
                 fill_tokens(input_ids, inputs.fill_rows, inputs.fill_src, samples)
         self.backend.prepare(metadata)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        if self.lora is None:
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+        with self.lora.step(inputs.lora.token_slots if inputs.lora is not None else None):
+            return self.model(input_ids, positions, self.kv_caches, metadata)
 
     # ---- host copies --------------------------------------------------------------
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from ..attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:
+    from ..lora.manager import LoRAStepInputs
 
 PAD_SLOT = -1
 """Slot of a padded row's token: the KV write kernels skip negative slots."""
@@ -54,6 +57,9 @@ class StepInputs:
     """[num_fill] int64: tokens not known on the host (async scheduling), whose ids are the
     previous step's samples `fill_src` (its rows), read on the device."""
     fill_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lora: LoRAStepInputs | None = None
+    """Each token's adapter slot and the slot loads before the forward (None: no token
+    runs an adapter)."""
 
     @classmethod
     def empty(cls) -> StepInputs:

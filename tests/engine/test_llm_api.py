@@ -335,7 +335,8 @@ def test_constructor_chat_template_from_file(llama, tmp_path):
 
 def test_vllm_call_options_run_unchanged_at_their_defaults(llm):
     """vLLM code passes `lora_request=None`, `priority=None` or a tqdm factory: the same
-    tokens as without them; a LoRA adapter or priorities are refused, naming the value."""
+    tokens as without them; priorities are refused, naming the value, and so is anything but
+    a LoRARequest (adapters themselves: tests/engine/test_lora*.py)."""
     made = []
 
     def bar(**kwargs):
@@ -348,7 +349,7 @@ def test_vllm_call_options_run_unchanged_at_their_defaults(llm):
     assert made and made[0]["total"] == 2
     llm.enqueue(prompts, GREEDY, lora_request=None, priority=None)
     assert token_ids(llm.wait_for_completion(use_tqdm=False)) == plain
-    with pytest.raises(InvalidParamError, match="lora_request='my-adapter'.*merge"):
+    with pytest.raises(InvalidParamError, match="lora_request='my-adapter' must be a LoRARequest"):
         llm.generate(prompts, GREEDY, lora_request="my-adapter")
     with pytest.raises(InvalidParamError, match=r"priority=\[1, 0\]"):
         llm.enqueue(prompts, GREEDY, priority=[1, 0])

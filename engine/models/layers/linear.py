@@ -15,6 +15,9 @@ Quantization: the decoder's projections are `Linear` layers, whose matmul a quan
 method (`models/layers/quant.py`) may take over; the embedding and the LM head are other
 classes and always stay in full precision.
 
+LoRA: a layer's `lora` (set when the engine serves adapters, `engine/lora/`) adds the step's
+adapters' products to the output of its matmul, whichever method computed it.
+
 Batch invariance (`make_batch_invariant`): every `Linear` and LM head then multiplies
 through `batch_invariant_linear`, whose rows do not depend on the other rows of the step
 (quantized weights included: they are converted inside the product, with their scales).
@@ -23,7 +26,7 @@ through `batch_invariant_linear`, whose rows do not depend on the other rows of 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +111,13 @@ class LinearMethod(ABC):
         """`x @ W^T` without the bias: `[..., in]` → `[..., out]` in `x.dtype`."""
 
 
+class LinearLoRA(Protocol):
+    """A projection's LoRA adapters (`engine/lora/layers.py`): `(x, out)` → `out` with the
+    step's adapters' products added in place (the rows that run none left as they are)."""
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
 class Linear(nn.Linear):
     """`y = x W^T + b`, where a quantization method, once set, does the matmul (`W` is then
     stored quantized, with its scales, as the method lays it out)."""
@@ -115,6 +125,9 @@ class Linear(nn.Linear):
     quant_method: LinearMethod | None = None
     batch_invariant: bool = False
     """Multiply through `batch_invariant_linear` (set by `make_batch_invariant`)."""
+    lora: LinearLoRA | None = None
+    """The layer's LoRA adapters (set when the engine serves them): applied to the output
+    of the matmul, whichever method computed it (before a row-parallel all-reduce)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out], no bias
         if self.batch_invariant:
@@ -127,6 +140,10 @@ class Linear(nn.Linear):
         return None if self.quant_method is None else self.weight_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
+        out = self.base_forward(x)
+        return out if self.lora is None else self.lora(x, out)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
         if self.batch_invariant:
             return batch_invariant_linear(x, self.weight, self.bias, self._weight_scale())
         if self.quant_method is None:
@@ -203,6 +220,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / tp] → [n, out]
         out = self.matmul(x)
+        if self.lora is not None:  # this rank's part, summed by the all-reduce
+            out = self.lora(x, out)
         if not self.reduce_output:
             return out
         out = self.tp.all_reduce(out)

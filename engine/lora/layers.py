@@ -1,0 +1,134 @@
+"""`LinearLoRA`: a projection's adapters, called by the `Linear` layer with its input and
+output (`Linear.lora`), whatever computed the output (full precision, fp8, int8).
+
+Per adapted layer and step: on CUDA, one fused kernel when the step has at most
+`FUSED_MAX_ROWS` rows, else a shrink and an expand (two launches, each covering all of the
+layer's slices); on the CPU the same sums in PyTorch, slot by slot (each slot's rows
+found once per step, `LoRABatch.groups`). Nothing runs for a step without
+adapters. The weights are views of the manager's slot buffer, so loading an adapter into a
+slot changes what every captured CUDA graph reads, and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchlm.kernels import use_triton_kernels
+from batchlm.kernels.launch import num_sms
+from batchlm.kernels.lora_expand import column_blocks, lora_expand, lora_expand_ref
+from batchlm.kernels.lora_fused import lora_fused
+from batchlm.kernels.lora_shrink import choose_split_k, lora_shrink, lora_shrink_ref
+
+from .batch import LoRAStepState
+from .layout import LoRATarget
+
+SHRINK_BLOCK_K = 64
+EXPAND_BLOCK_N = 128
+FUSED_BLOCK_N = 128
+FUSED_BLOCK_K = 128
+
+
+class LinearLoRA:
+    """One projection's adapter slots.
+
+    Args:
+        state: The step state every layer of the model shares.
+        target: The projection (its slices and sizes).
+        lora_a: `[max_loras, slices, rank, in]` (a view of the slot buffer).
+        lora_b: `[max_loras, out, rank]`, the adapters' scaling folded in.
+    """
+
+    def __init__(
+        self, state: LoRAStepState, target: LoRATarget, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> None:
+        self.state = state
+        self.lora_a = lora_a
+        self.lora_b = lora_b
+        self.slice_starts = target.slice_starts
+        self.num_slices = target.num_slices
+        self.in_features = target.in_features
+        device = lora_a.device
+        self.expand_blocks = column_blocks(self.slice_starts, EXPAND_BLOCK_N, device)
+        self.fused_blocks = column_blocks(self.slice_starts, FUSED_BLOCK_N, device)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Add the step's adapters' `x · Aᵀ · Bᵀ` into `out` (`[n, out]`, in place) for
+        the rows that run one; `out` as it is when no row does."""
+        batch = self.state.batch
+        if batch is None:
+            return out
+        if x.shape[0] != batch.num_tokens:
+            raise RuntimeError(
+                f"the layer got {x.shape[0]} rows, the step's LoRA batch has {batch.num_tokens}"
+            )
+        if not use_triton_kernels(x):
+            if x.device.type != "cuda":  # the batch's groups were made for the host
+                return self._add_by_slot(x, out, batch.groups)
+            shrunk = lora_shrink_ref(x, self.lora_a, batch.token_slots)
+            return lora_expand_ref(shrunk, self.lora_b, out, batch.token_slots, self.slice_starts)
+        if batch.fused:
+            return lora_fused(
+                x,
+                self.lora_a,
+                self.lora_b,
+                out,
+                batch.token_slots,
+                self.fused_blocks,
+                block_n=FUSED_BLOCK_N,
+                block_k=FUSED_BLOCK_K,
+            )
+        split_k = choose_split_k(
+            batch.tiles.shape[0],
+            self.num_slices,
+            self.in_features,
+            SHRINK_BLOCK_K,
+            num_sms(x.device),
+        )
+        shrunk = lora_shrink(
+            x,
+            self.lora_a,
+            batch.token_ids,
+            batch.tiles,
+            tile_rows=batch.tile_rows,
+            split_k=split_k,
+            block_k=SHRINK_BLOCK_K,
+        )
+        return lora_expand(
+            shrunk,
+            self.lora_b,
+            out,
+            batch.token_ids,
+            batch.tiles,
+            self.expand_blocks,
+            tile_rows=batch.tile_rows,
+            block_n=EXPAND_BLOCK_N,
+        )
+
+    def _add_by_slot(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        groups: tuple[tuple[int, torch.Tensor | None], ...],
+    ) -> torch.Tensor:
+        """The PyTorch path off CUDA: per slot the step runs, one shrink of its rows (all
+        slices at once) and one expand per slice, rounded as the kernels round."""
+        num_s, rank, num_k = self.lora_a.shape[1:]
+        for slot, rows in groups:
+            rows_x = x if rows is None else x[rows]  # [m, K]
+            a = self.lora_a[slot].reshape(num_s * rank, num_k)
+            b = self.lora_b[slot]  # [N, R]
+            shrunk = (rows_x.float() @ a.float().T).to(b.dtype).float()  # [m, S * R]
+            delta = torch.cat(
+                [
+                    shrunk[:, s * rank : (s + 1) * rank] @ b[start:end].float().T
+                    for s, (start, end) in enumerate(
+                        zip(self.slice_starts[:-1], self.slice_starts[1:], strict=True)
+                    )
+                ],
+                dim=1,
+            )  # [m, N]
+            if rows is None:
+                out.copy_((out.float() + delta).to(out.dtype))
+            else:
+                out[rows] = (out[rows].float() + delta).to(out.dtype)
+        return out
