@@ -234,8 +234,11 @@ CPU = torch.device("cpu")
 
 def test_unknown_method_names_the_alternatives(tiny_model_factory):
     with pytest.raises(
-        InvalidParamError, match=r"quantization='awq' is not supported.*'fp8', 'int8'"
+        InvalidParamError, match=r"quantization='bitsandbytes' is not supported.*'fp8', 'int8'"
     ):
+        LLM(str(tiny_model_factory("llama")), quantization="bitsandbytes")
+    # A checkpoint method (int4 loads from checkpoints only) on a full-precision checkpoint.
+    with pytest.raises(InvalidParamError, match="quantization='awq'.*no quantization_config"):
         LLM(str(tiny_model_factory("llama")), quantization="awq")
 
 
@@ -243,14 +246,14 @@ def test_unknown_method_names_the_alternatives(tiny_model_factory):
     "qc, match",
     [
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
-        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'.*cannot load"),
+        ({"quant_method": "hqq", "bits": 4}, "quant_method='hqq'.*cannot load"),
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}},
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4}}},
             },
-            "format='pack-quantized'.*type='int' num_bits=4",
+            "type='float' num_bits=4",
         ),
     ],
 )
