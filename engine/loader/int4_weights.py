@@ -37,7 +37,7 @@ from ..models.layers.moe import ExpertWeights
 from .int4_formats import FORMATS, ProjectionShape
 from .quantization import is_ignored, matches, quantizable_layers
 
-__all__ = ["Int4Loader"]
+__all__ = ["Int4Loader", "check_tensor_parallel"]
 
 _MAX_TP = 16
 
@@ -91,7 +91,6 @@ class Int4Loader:
             parts = (path,)
             if isinstance(layer, MergedLinear) and leaf in packed:
                 parts = tuple(f"{parent}.{p}" if parent else p for p in packed[leaf])
-            fused = False
             if marked is None:
                 quantized = not is_ignored(path, layer, packed, qc.ignored_modules) and (
                     not qc.quantized_modules
@@ -105,13 +104,15 @@ class Int4Loader:
                         "batchlm runs them as one merged projection, which must be all int4 "
                         "or none"
                     )
-                fused = not hits and len(parts) > 1 and path in marked
-                quantized = bool(hits) or fused
-                if fused:
-                    parts = (path,)
+                if not hits and path in marked:  # the checkpoint stores it merged
+                    hits, parts = [path], (path,)
+                quantized = bool(hits)
+            # One checkpoint tensor for all the parts of a merged layer (Phi-3's qkv_proj).
+            fused = isinstance(layer, MergedLinear) and len(layer.output_sizes) > 1
+            fused = fused and parts == (path,)
             if not quantized:
                 continue
-            _check_tensor_parallel(path, layer, qc)
+            check_tensor_parallel(path, layer, qc)
             method.create_weights(layer)
             self.plans[path] = _Plan(layer, parts, fused, self._leaves(parts, names))
         self._refuse_leftovers(model, marked, names)
@@ -300,7 +301,7 @@ def _int4_experts(path: str) -> UnsupportedModelError:
     )
 
 
-def _check_tensor_parallel(path: str, layer: Linear, qc: QuantizationConfig) -> None:
+def check_tensor_parallel(path: str, layer: Linear, qc: QuantizationConfig) -> None:
     """Refuse a tensor-parallel size whose split of a row-parallel layer's inputs cuts a
     group (or the 8 inputs of a packed word)."""
     if not isinstance(layer, RowParallelLinear):

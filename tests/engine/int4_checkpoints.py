@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projections that read the same input share an activation order, as GPTQ computes it from
-# that input's statistics.
-_SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp",
-               "up_proj": "mlp", "o_proj": "o", "down_proj": "down"}  # fmt: skip
+# that input's statistics (Phi-3 stores q|k|v and gate|up fused).
+_SAME_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "qkv_proj": "attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "o_proj": "o",
+               "down_proj": "down"}  # fmt: skip
+PROJECTIONS = tuple(_SAME_INPUT)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -49,33 +50,27 @@ def rtn(
     `round(-min / scale)`), groups of `group_size` inputs taken in `order` (activation
     order) or in input order. `min_zero`: the smallest zero point (GPTQ's `gptq` format
     stores zeros minus one and cannot hold 0)."""
-    w = weight.detach().double().numpy()
+    w = weight.detach().float()
     num_n, num_k = w.shape
     size = group_size or num_k
     order = np.arange(num_k) if order is None else order
     g_idx = np.empty(num_k, dtype=np.int64)
     g_idx[order] = np.arange(num_k) // size
-    num_groups = num_k // size
-    q = np.zeros((num_n, num_k), dtype=np.int64)
-    zeros = np.zeros((num_n, num_groups), dtype=np.int64)
-    scales = np.zeros((num_n, num_groups))
-    for g in range(num_groups):
-        cols = np.nonzero(g_idx == g)[0]
-        block = w[:, cols]
-        if symmetric:
-            top = np.maximum(np.abs(block).max(axis=1), 1e-8)
-            scale = 2 * top / 15
-            zero = np.full(num_n, 8)
-        else:
-            lo = np.minimum(block.min(axis=1), 0)
-            hi = np.maximum(block.max(axis=1), 0)
-            scale = np.maximum(hi - lo, 1e-8) / 15
-            zero = np.clip(np.round(-lo / scale), min_zero, 15).astype(np.int64)
-        # The checkpoint stores the scale rounded to its dtype: quantize against that.
-        scale = torch.tensor(scale).to(scale_dtype).double().numpy()
-        q[:, cols] = np.clip(np.round(block / scale[:, None]) + zero[:, None], 0, 15)
-        zeros[:, g], scales[:, g] = zero, scale
-    return Quantized(q, zeros, torch.tensor(scales).to(scale_dtype), g_idx)
+    blocks = w[:, torch.from_numpy(order)].reshape(num_n, num_k // size, size)  # [N, G, size]
+    if symmetric:
+        scale = 2 * blocks.abs().amax(dim=2).clamp(min=1e-8) / 15
+        zero = torch.full(scale.shape, 8.0)
+    else:
+        lo = blocks.amin(dim=2).clamp(max=0)
+        hi = blocks.amax(dim=2).clamp(min=0)
+        scale = (hi - lo).clamp(min=1e-8) / 15
+        zero = torch.round(-lo / scale).clamp(min_zero, 15)
+    # The checkpoint stores the scale rounded to its dtype: quantize against that.
+    scale = scale.to(scale_dtype)
+    values = (torch.round(blocks / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+    q = np.empty((num_n, num_k), dtype=np.int64)
+    q[:, order] = values.reshape(num_n, num_k).to(torch.int64).numpy()
+    return Quantized(q, zero.to(torch.int64).numpy(), scale, g_idx)
 
 
 def dequantize(qz: Quantized) -> torch.Tensor:
@@ -100,15 +95,13 @@ def pack_gptq(qz: Quantized, v1: bool) -> dict[str, torch.Tensor]:
     intweight = qz.q.T.astype(np.uint64)  # [K, N]
     num_k, num_n = intweight.shape
     qweight = np.zeros((num_k // 8, num_n), dtype=np.uint64)
-    for row in range(num_k // 8):
-        for j in range(8):
-            qweight[row] |= intweight[8 * row + j] << (4 * j)
+    for j in range(8):  # word row r holds input rows 8r .. 8r + 7
+        qweight |= intweight[j::8] << np.uint64(4 * j)
     zeros = qz.zeros.T.astype(np.int64) - (1 if v1 else 0)  # [G, N]
     assert zeros.min() >= 0, "the gptq format cannot store a zero point of 0"
     qzeros = np.zeros((zeros.shape[0], num_n // 8), dtype=np.uint64)
-    for col in range(num_n // 8):
-        for j in range(8):
-            qzeros[:, col] |= zeros[:, 8 * col + j].astype(np.uint64) << (4 * j)
+    for j in range(8):  # word column c holds output columns 8c .. 8c + 7
+        qzeros |= zeros[:, j::8].astype(np.uint64) << np.uint64(4 * j)
     return {
         "qweight": torch.from_numpy(_words(qweight)),
         "qzeros": torch.from_numpy(_words(qzeros)),
@@ -123,9 +116,8 @@ def pack_awq(qz: Quantized) -> dict[str, torch.Tensor]:
 
     def pack_columns(values: np.ndarray) -> np.ndarray:  # [R, N] → [R, N / 8]
         out = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint64)
-        for col in range(out.shape[1]):
-            for i in range(8):
-                out[:, col] |= values[:, 8 * col + AWQ_ORDER[i]].astype(np.uint64) << (4 * i)
+        for i in range(8):  # nibble i of word c: output 8c + AWQ_ORDER[i]
+            out |= values[:, AWQ_ORDER[i] :: 8].astype(np.uint64) << np.uint64(4 * i)
         return out
 
     return {
@@ -141,9 +133,11 @@ def pack_compressed_tensors(qz: Quantized, symmetric: bool, g_idx: bool) -> dict
     packed the same way down the outputs (`[N / 8, G]`); `weight_scale` `[N, G]`."""
 
     def pack_rows(values: np.ndarray) -> np.ndarray:  # [R, C] 0..15 → [R, C / 8]
-        out = np.zeros((values.shape[0], -(-values.shape[1] // 8)), dtype=np.uint64)
-        for i in range(values.shape[1]):
-            out[:, i // 8] |= values[:, i].astype(np.uint64) << (4 * (i % 8))
+        padded = np.zeros((values.shape[0], -(-values.shape[1] // 8) * 8), dtype=np.uint64)
+        padded[:, : values.shape[1]] = values
+        out = np.zeros((values.shape[0], padded.shape[1] // 8), dtype=np.uint64)
+        for j in range(8):  # element 8w + j of the row's stream at bits 4j of word w
+            out |= padded[:, j::8] << np.uint64(4 * j)
         return out
 
     tensors = {
@@ -290,8 +284,7 @@ def quantize_checkpoint(
             q_state[f"{module}.{leaf_name}"] = value
     config = json.loads((source / "config.json").read_text())
     for folder, tensors in ((quantized, q_state), (dequantized, deq_state)):
-        shutil.copytree(source, folder)
-        (folder / "model.safetensors").unlink()
+        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
     config["quantization_config"] = quantization_config(spec)
     (quantized / "config.json").write_text(json.dumps(config))
