@@ -71,6 +71,7 @@ __all__ = [
 PACK = 8
 """4-bit values per int32 word."""
 _MAGIC = 8388608.0  # 2**23: float32 bits 0x4B000000 | q read as a float are 2**23 + q
+_GATHER_ROWS = 64  # above this many rows, `x[:, perm]` is gathered once before the kernel
 SPLIT_K_LOCKS = 1 << 16
 """Output tiles a split-K call may have (one int32 counter each in `new_split_k_locks`)."""
 
@@ -414,6 +415,9 @@ def w4a16(
     if cfg.backend == CUBLAS:
         weight = dequantize_int4(qweight, scales, zeros, group_size, perm, g_idx, x.dtype)
         return torch.mm(x, weight, out=y)
+    if perm is not None and num_m > _GATHER_ROWS:
+        # Many rows re-read each activation tile once per column band: gather them once.
+        x, perm = x.index_select(1, perm), None
 
     def tiles(launch: W4a16Launch) -> int:
         rows = num_m if launch.block_m == 1 else cdiv(num_m, launch.block_m)

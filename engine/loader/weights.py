@@ -324,6 +324,15 @@ def build_model(
     weights are seeded random numbers instead and no file of `folder` is read."""
     with torch.device("meta"):
         model = model_cls(**kwargs)
+    method = make_linear_method(quantization, device, dtype) if quantization else None
+    int4 = None
+    if method is not None and quantization.method == "int4":
+        # Before materialising: an int4 layer's full-precision weight is never allocated.
+        names = None
+        if load_format != "dummy":
+            found = map(partial(model_tensor_name, model), checkpoint_tensor_names(folder))
+            names = {n for n in found if n}
+        int4 = Int4Loader(model, method, quantization, names)
     model = model.to_empty(device=device).to(dtype)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):  # materialising from meta may have untied shared parameters
@@ -332,17 +341,8 @@ def build_model(
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-    method = make_linear_method(quantization, device, dtype) if quantization else None
-    int4 = None
-    if method is not None and quantization.from_checkpoint:
-        if quantization.method == "int4":
-            names = None
-            if load_format != "dummy":
-                found = map(partial(model_tensor_name, model), checkpoint_tensor_names(folder))
-                names = {n for n in found if n}
-            int4 = Int4Loader(model, method, quantization, names)
-        else:
-            create_quantized_weights(model, method, quantization)
+    if method is not None and quantization.from_checkpoint and int4 is None:
+        create_quantized_weights(model, method, quantization)
     with torch.no_grad():
         packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
         if load_format == "dummy":

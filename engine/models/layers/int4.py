@@ -199,9 +199,10 @@ class Int4LinearMethod(LinearMethod):
         return layer.in_features if self.group_size is None else self.group_size
 
     def create_weights(self, layer: Linear) -> None:
-        """Drop the full-precision weight: the loader (`pack_int4`) or `random_int4` gives
-        the layer its int4 tensors."""
-        layer.int4_device = layer.weight.device
+        """Drop the full-precision weight (before the model is materialised, so that it is
+        never allocated): the loader (`pack_int4`) or `random_int4` gives the layer its
+        int4 tensors on the method's device."""
+        layer.int4_device = self.device
         del layer.weight
         for name in INT4_PARAMS:
             layer.register_parameter(name, None)
