@@ -37,6 +37,7 @@ from .launch_table import entry_fields, read_buckets, read_entry_shape, read_lau
 
 __all__ = [
     "CUBLAS",
+    "CUBLAS_LAUNCH",
     "DEFAULT_TABLE_PATH",
     "W4a16Launch",
     "W4a16Shape",
@@ -74,6 +75,7 @@ class W4a16Launch(NamedTuple):
 
 
 CUBLAS_LAUNCH = W4a16Launch(0, 0, 0, 1, 0, 0, CUBLAS)
+"""The dequantize + cuBLAS path as a launch."""
 
 
 class W4a16Shape(NamedTuple):
