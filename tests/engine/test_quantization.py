@@ -205,6 +205,27 @@ def test_fp8_checkpoint_loads_without_being_told(fp8_checkpoint):
     _assert_same(got, want, atol=1e-5)  # the same weights, the same float32 matmuls
 
 
+def test_fp8_compressed_tensors_with_dynamic_activation_scales(tiny_model_factory, tmp_path):
+    """llm-compressor's FP8_DYNAMIC scheme (per-token activation scales found at run time,
+    no `input_scale` tensors) loads as the static one does: batchlm quantises activations
+    per token at run time either way."""
+    quantized, dequantised = tmp_path / "fp8", tmp_path / "dequantised"
+    _write_fp8_checkpoint(tiny_model_factory("llama"), quantized, dequantised, "compressed-tensors")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "type": "float", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True,
+    }  # fmt: skip
+    (quantized / "config.json").write_text(json.dumps(config))
+    state = load_file(quantized / "model.safetensors")
+    assert any(name.endswith("input_scale") for name in state)
+    kept = {k: v for k, v in state.items() if not k.endswith("input_scale")}
+    save_file(kept, quantized / "model.safetensors")
+    got, qc = _run(quantized)
+    assert qc is not None and qc.method == "fp8" and qc.checkpoint_method == "compressed-tensors"
+    want, _ = _run(dequantised)
+    _assert_same(got, want, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_fp8_checkpoint_with_tensor_parallel(fp8_checkpoint):
     """Two ranks read their rows / columns of the fp8 weights and scales."""
