@@ -57,13 +57,17 @@ class ProjectionShape(NamedTuple):
 
 def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 words → uint8 values, the 8 nibbles of each word expanded along `dim` (0 or 1)
-    in bit order (nibble `j` from bits `4j`)."""
-    shifts = torch.arange(0, 4 * PACK, 4, device=words.device, dtype=torch.int32)
-    if dim == 0:
-        out = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [R, 8, C]
-        return out.reshape(-1, words.shape[1]).to(torch.uint8)
-    out = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, C, 8]
-    return out.reshape(words.shape[0], -1).to(torch.uint8)
+    in bit order (nibble `j` from bits `4j`), one nibble position at a time."""
+    rows, cols = words.shape
+    shape = (rows * PACK, cols) if dim == 0 else (rows, cols * PACK)
+    out = torch.empty(shape, dtype=torch.uint8, device=words.device)
+    for j in range(PACK):
+        nibble = ((words >> (4 * j)) & 0xF).to(torch.uint8)
+        if dim == 0:
+            out[j::PACK] = nibble
+        else:
+            out[:, j::PACK] = nibble
+    return out
 
 
 def _check(

@@ -64,11 +64,12 @@ def _set(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
 
 
 def pack_words(q: torch.Tensor) -> torch.Tensor:
-    """`[K, N]` values 0..15 → `[K / 8, N]` int32, feature `8i + j` in bits `4j`."""
-    num_k, num_n = q.shape
-    nibbles = q.to(torch.int32).reshape(num_k // PACK, PACK, num_n)
-    shifts = torch.arange(0, 4 * PACK, 4, device=q.device, dtype=torch.int32)
-    return (nibbles << shifts[None, :, None]).sum(dim=1, dtype=torch.int32)
+    """`[K, N]` values 0..15 → `[K / 8, N]` int32, feature `8i + j` in bits `4j` (one
+    nibble position at a time: the temporaries stay the size of the words)."""
+    words = torch.zeros(q.shape[0] // PACK, q.shape[1], dtype=torch.int32, device=q.device)
+    for j in range(PACK):
+        words |= q[j::PACK].to(torch.int32) << (4 * j)
+    return words
 
 
 def unpack_words(qweight: torch.Tensor) -> torch.Tensor:
