@@ -115,11 +115,12 @@ class Int4Loader:
             check_tensor_parallel(path, layer, qc)
             method.create_weights(layer)
             self.plans[path] = _Plan(layer, parts, fused, self._leaves(parts, names))
-        self._refuse_leftovers(model, marked, names)
-        self.pending: dict[str, dict[str, dict[str, tuple[str, torch.Tensor]]]] = {}
+        self._refuse_leftovers(model, marked)
+        self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+        """Part → the tensors of it read so far (leaf → (checkpoint name, tensor))."""
         self.unpacked: dict[str, dict[str, Int4Part]] = {}
+        """Layer → its parts unpacked so far (this rank's share)."""
         self.done: set[str] = set()
-        self.part_of = {p: path for path, plan in self.plans.items() for p in plan.parts}
 
     def _leaves(self, parts: tuple[str, ...], names: set[str] | None) -> dict:
         required = self.format.required_leaves(self.qc.symmetric, self.qc.act_order)
@@ -136,9 +137,8 @@ class Int4Loader:
             leaves[part] = tuple(leaf for leaf in self.format.leaves() if f"{part}.{leaf}" in names)
         return leaves
 
-    def _refuse_leftovers(
-        self, model: nn.Module, marked: set[str] | None, names: set[str] | None
-    ) -> None:
+    def _refuse_leftovers(self, model: nn.Module, marked: set[str] | None) -> None:
+        """Refuse int4 experts, and int4 tensors of layers no plan covers."""
         planned = {p for plan in self.plans.values() for p in plan.parts}
         experts = [path for path, m in model.named_modules() if isinstance(m, ExpertWeights)]
         if marked is None:  # dummy: the config's patterns decide for the experts too

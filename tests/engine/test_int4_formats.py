@@ -155,6 +155,9 @@ def test_loader_unpacks_what_the_packers_wrote(fmt, symmetric, act_order):
     pack_int4(layer, part, 32, torch.float32)
     assert (layer.perm is not None) == act_order and layer.g_idx is None
     assert torch.equal(dequantized_weight(layer, torch.float32), dequantize(qz))
+    # The CUDA path's matmul (the kernel, here in Triton's interpreter) on the same layout.
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(method.apply(layer, x), x @ dequantize(qz).T, atol=1e-5, rtol=1e-5)
 
 
 def test_a_ranks_share_of_an_activation_ordered_layer_keeps_every_group():
@@ -171,6 +174,10 @@ def test_a_ranks_share_of_an_activation_ordered_layer_keeps_every_group():
     pack_int4(layer, half, 32, torch.float32)
     assert layer.g_idx is not None and layer.scales.shape[0] == K // 32
     assert torch.equal(dequantized_weight(layer, torch.float32), dequantize(qz)[:, K // 2 :])
+    x = torch.randn(2, K // 2, generator=torch.Generator().manual_seed(6))
+    want = x @ dequantize(qz)[:, K // 2 :].T
+    got = Int4LinearMethod(CPU, torch.float32, 32, False, True).apply(layer, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_words_pack_eight_features_along_k():
