@@ -37,7 +37,7 @@ from ..models.layers.moe import ExpertWeights
 from .int4_formats import FORMATS, ProjectionShape
 from .quantization import is_ignored, matches, quantizable_layers
 
-__all__ = ["Int4Loader", "check_tensor_parallel"]
+__all__ = ["Int4Loader", "check_groups", "check_tensor_parallel"]
 
 _MAX_TP = 16
 
@@ -112,6 +112,7 @@ class Int4Loader:
             fused = fused and parts == (path,)
             if not quantized:
                 continue
+            check_groups(path, layer, qc)
             check_tensor_parallel(path, layer, qc)
             method.create_weights(layer)
             self.plans[path] = _Plan(layer, parts, fused, self._leaves(parts, names))
@@ -299,6 +300,18 @@ def _int4_experts(path: str) -> UnsupportedModelError:
         "only for the attention and dense projections of MoE models. Use a checkpoint that "
         "keeps the experts in full precision (modules_to_not_convert / ignore)"
     )
+
+
+def check_groups(path: str, layer: Linear, qc: QuantizationConfig) -> None:
+    """Refuse a projection whose inputs do not divide into whole groups (or words)."""
+    num_k = layer.in_features * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
+    unit = qc.group_size or 8
+    if num_k % unit or num_k % 8:
+        raise UnsupportedModelError(
+            f"{path} has {num_k} input features, not a multiple of "
+            f"{'group_size=' + str(qc.group_size) if qc.group_size else '8'}: batchlm's int4 "
+            "layers hold whole groups of whole 8-value words"
+        )
 
 
 def check_tensor_parallel(path: str, layer: Linear, qc: QuantizationConfig) -> None:

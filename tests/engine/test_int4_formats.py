@@ -17,7 +17,7 @@ from batchlm.engine import LLM
 from batchlm.engine.config import QuantizationConfig
 from batchlm.engine.errors import InvalidParamError, UnsupportedModelError
 from batchlm.engine.loader.int4_formats import FORMATS, ProjectionShape
-from batchlm.engine.loader.int4_weights import check_tensor_parallel
+from batchlm.engine.loader.int4_weights import check_groups, check_tensor_parallel
 from batchlm.engine.loader.quantization import resolve_quantization
 from batchlm.engine.models.layers.int4 import (
     Int4LinearMethod,
@@ -252,6 +252,10 @@ def test_tensor_parallel_sizes_that_split_groups_are_refused():
     check_tensor_parallel("o_proj", layer, dataclasses.replace(qc, act_order=True))
     channel = dataclasses.replace(qc, group_size=None)
     check_tensor_parallel("o_proj", layer, channel)
+    # A projection whose inputs are no whole number of groups (Qwen2-MoE's shared expert
+    # of width 48 in groups of 32) is named, whatever the split.
+    with pytest.raises(UnsupportedModelError, match="down_proj has 48 input features.*=32"):
+        check_groups("down_proj", Linear(48, 64), dataclasses.replace(qc, group_size=32))
 
 
 # ---- bad checkpoints -----------------------------------------------------------------
