@@ -11,10 +11,10 @@ against `w4a16_ref` (relative error < 1e-2) and timed as `bench_w4a16.py` times 
 cuBLAS on the same shape is timed beside them for the log. The fastest wins the bucket:
 where that is dequantize + cuBLAS, the table says `"cublas"` (the log shows by how much).
 
-Output: one JSON line per measurement on stdout (and `--log`), then the table: the
-repository's entries kept, this device's buckets for the swept shapes replaced (bucket by
-bucket, so runs over different `--m` or `--shape` subsets add up), written to `--out`.
-Copy it to `kernels/configs/w4a16.json` to keep it.
+Output: one JSON line per measurement on stdout (and `--log`), then the table written to
+`--out`: the table already there (an earlier run's; else the repository's) with this
+device's buckets for the swept shapes replaced bucket by bucket, so runs over different
+`--m` or `--shape` subsets add up. Copy it to `kernels/configs/w4a16.json` to keep it.
 
     python3 benchmarks/tools/tune_w4a16.py --out $OUT/w4a16.json --log $OUT/tune_w4a16.jsonl
     python3 benchmarks/tools/tune_w4a16.py --m 1 --m 2 --m 4 --m 8 --out $OUT/w4a16.json
@@ -166,13 +166,14 @@ def sweep(name, num_n, num_k, rows, weights, args, emit, deadline, locks):
 
 
 def write_table(path: str, new: dict) -> None:
-    """The repository's table with `new` (shape → {bucket: launch}) merged in, bucket by
-    bucket."""
+    """`new` (shape → {bucket: launch}) merged, bucket by bucket, into the table already at
+    `path` (an earlier run's), else into the repository's."""
+    from pathlib import Path
+
     from batchlm.kernels.w4a16_launch import DEFAULT_TABLE_PATH, load_w4a16_table, table_entry
 
-    table = {
-        shape: dict(buckets) for shape, buckets in load_w4a16_table(DEFAULT_TABLE_PATH).items()
-    }
+    base = path if Path(path).exists() else DEFAULT_TABLE_PATH
+    table = {shape: dict(buckets) for shape, buckets in load_w4a16_table(base).items()}
     for shape, buckets in new.items():
         table.setdefault(shape, {}).update(buckets)
     entries = [table_entry(shape, buckets) for shape, buckets in table.items()]
