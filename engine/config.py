@@ -40,7 +40,8 @@ class QuantizationConfig:
 
     method: str
     """`fp8` (e4m3 weights, per-token fp8 activations where the device multiplies fp8) or
-    `int8` (weight-only); both with one scale per output channel."""
+    `int8` (weight-only), both with one scale per output channel; or `int4` (weight-only,
+    read from GPTQ / AWQ / compressed-tensors checkpoints, scales per group of inputs)."""
     from_checkpoint: bool = False
     """The checkpoint holds the quantized weights and their scales (its config.json has a
     `quantization_config`); otherwise full-precision weights are quantised at load."""
@@ -48,6 +49,19 @@ class QuantizationConfig:
     """`quant_method` of the checkpoint's `quantization_config` (`fp8`, `compressed-tensors`)."""
     ignored_modules: tuple[str, ...] = ()
     """Checkpoint module names (or `re:` patterns) the checkpoint keeps in full precision."""
+    weight_format: str | None = None
+    """`int4`: how the checkpoint packs its weights (`gptq`, `gptq_v2`, `awq`,
+    `pack-quantized`; see `loader/int4_formats.py`)."""
+    group_size: int | None = None
+    """`int4`: input features per scale group (None: one group per output channel)."""
+    symmetric: bool = True
+    """`int4`: the checkpoint's zero point is the midpoint 8 (no zero points stored)."""
+    act_order: bool = False
+    """`int4`: the groups follow an order of the input features given per layer
+    (GPTQ's `desc_act`, compressed-tensors' `actorder: group`)."""
+    quantized_modules: tuple[str, ...] = ()
+    """`int4` compressed-tensors: the config groups' `targets` (`Linear`, names or `re:`
+    patterns); empty: every linear layer not ignored."""
 
 
 @dataclass(frozen=True)

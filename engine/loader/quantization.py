@@ -8,8 +8,12 @@ config.json has a `quantization_config` is loaded as it is quantized, without be
   the older AutoFP8 / vLLM layout): float8_e4m3fn weights with a per-tensor scale,
   `weight_scale_inv` (transformers) or `weight_scale`;
 - `quant_method: "compressed-tensors"` with 8-bit float weights (`strategy` `tensor` or
-  `channel`, symmetric): float8_e4m3fn weights with `weight_scale` of shape `[1]` or
-  `[out, 1]`.
+  `channel`, symmetric; activations quantised statically or dynamically alike):
+  float8_e4m3fn weights with `weight_scale` of shape `[1]` or `[out, 1]`;
+- int4 weight-only checkpoints (method `int4`): `quant_method` `gptq`, `awq`, or
+  `compressed-tensors` with `format: pack-quantized` (settings in `int4_config.py`,
+  tensors in `int4_formats.py`, loading in `int4_weights.py`). `quantization=` may name
+  them as vLLM does (`gptq`, `gptq_marlin`, `awq`, `awq_marlin`, `compressed-tensors`).
 
 Per-tensor scales become per-channel ones (the same value on every row of the projection),
 so merged projections (q|k|v, gate|up) keep each part's scale. Static activation scales
@@ -20,7 +24,8 @@ Mixture-of-experts layers: with `quantization="fp8"` the stacked expert weights 
 quantised at load too (`ExpertWeights.quantize_fp8`), on CPU and on CUDA devices of
 capability 8.9 or more (older GPUs keep them in the model dtype: Triton cannot convert
 e4m3 there); with `"int8"` they stay in the model dtype. The routers always do. fp8
-checkpoints of MoE models are refused (their per-expert scales are not read).
+checkpoints of MoE models are refused (their per-expert scales are not read); int4 ones
+load their attention in int4 and are refused where the experts are int4.
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ from ..errors import InvalidParamError, UnsupportedModelError
 from ..models.layers.linear import Linear, LinearMethod, MergedLinear
 from ..models.layers.moe import ExpertWeights
 from ..models.layers.quant import LINEAR_METHODS, supports_fp8_matmul
+from .int4_config import awq_config, compressed_tensors_int4_config, gptq_config, has_int_weights
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = tuple(LINEAR_METHODS)
 """Values `quantization=` accepts (besides a quantized checkpoint's own `quant_method`)."""
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 """`quant_method`s of checkpoints that load without `quantization=`."""
+CHECKPOINT_ALIASES = {"gptq": ("gptq_marlin",), "awq": ("awq_marlin",)}
+"""Other names `quantization=` may give a checkpoint's `quant_method` (vLLM's kernels)."""
 
 SCALE_LEAF = "weight_scale"
 """The per-channel scale parameter of a quantized layer."""
@@ -66,19 +74,26 @@ def resolve_quantization(
             raise InvalidParamError(
                 f"quantization={requested!r} must be a string; supported: {_supported_text()}"
             )
-        if requested not in QUANTIZATION_METHODS and requested not in CHECKPOINT_METHODS:
+        aliases = [a for names in CHECKPOINT_ALIASES.values() for a in names]
+        if requested not in (*QUANTIZATION_METHODS, *CHECKPOINT_METHODS, *aliases):
             raise InvalidParamError(
                 f"quantization={requested!r} is not supported; supported: {_supported_text()}"
             )
     checkpoint = checkpoint_quantization(hf_config)
     if checkpoint is not None:
-        if requested in (None, checkpoint.method, checkpoint.checkpoint_method):
+        accepted = (
+            None,
+            checkpoint.method,
+            checkpoint.checkpoint_method,
+            *CHECKPOINT_ALIASES.get(checkpoint.checkpoint_method or "", ()),
+        )
+        if requested in accepted:
             _check_device(checkpoint.method, device)
             return checkpoint
         raise InvalidParamError(
             f"quantization={requested!r}, but the checkpoint is already quantized "
             f"(quant_method={checkpoint.checkpoint_method!r}, {checkpoint.method} weights); "
-            f"drop quantization= or pass quantization={checkpoint.method!r}"
+            f"drop quantization= or pass quantization={_name_of(checkpoint)!r}"
         )
     if requested is None:
         return None
@@ -92,11 +107,16 @@ def resolve_quantization(
     return QuantizationConfig(method=requested)
 
 
+def _name_of(qc: QuantizationConfig) -> str:
+    """The `quantization=` value that names a checkpoint's quantization (vLLM's name)."""
+    return qc.checkpoint_method if qc.method == "int4" and qc.checkpoint_method else qc.method
+
+
 def _supported_text() -> str:
     return (
         f"{', '.join(map(repr, QUANTIZATION_METHODS))} (quantised at load) or None; "
-        "checkpoints quantized to fp8 (quant_method 'fp8' or 'compressed-tensors') load "
-        "without quantization="
+        "checkpoints quantized to fp8 (quant_method 'fp8' or 'compressed-tensors') or int4 "
+        "('gptq', 'awq', 'compressed-tensors') load without quantization="
     )
 
 
@@ -140,13 +160,20 @@ def checkpoint_quantization(hf_config: Any) -> QuantizationConfig | None:
             qc.get("modules_to_not_convert") or []
         )
         return QuantizationConfig("fp8", True, "fp8", tuple(ignored))
+    if method == "gptq":
+        return gptq_config(qc)
+    if method == "awq":
+        return awq_config(qc)
     if method == "compressed-tensors":
+        if has_int_weights(qc):
+            return compressed_tensors_int4_config(qc)
         _check_compressed_tensors(qc)
         return QuantizationConfig("fp8", True, method, tuple(qc.get("ignore") or []))
     raise UnsupportedModelError(
         f"the checkpoint is quantized with quant_method={method!r}, which batchlm cannot load; "
-        f"it loads {' and '.join(map(repr, CHECKPOINT_METHODS))} fp8 checkpoints, or a "
-        f"full-precision checkpoint quantised at load (quantization={QUANTIZATION_METHODS})"
+        "it loads fp8 ('fp8', 'compressed-tensors') and int4 ('gptq', 'awq', "
+        "'compressed-tensors' pack-quantized) checkpoints, or a full-precision checkpoint "
+        f"quantised at load (quantization={QUANTIZATION_METHODS})"
     )
 
 
@@ -181,6 +208,10 @@ def _check_compressed_tensors(qc: dict) -> None:
 def make_linear_method(
     qc: QuantizationConfig, device: torch.device, dtype: torch.dtype
 ) -> LinearMethod:
+    if qc.method == "int4":
+        from ..models.layers.int4 import Int4LinearMethod
+
+        return Int4LinearMethod(device, dtype, qc.group_size, qc.symmetric, qc.act_order)
     return LINEAR_METHODS[qc.method](device, dtype)
 
 
@@ -190,8 +221,8 @@ def quantizable_layers(model: nn.Module) -> list[tuple[str, Linear]]:
 
 
 def create_quantized_weights(model: nn.Module, method: LinearMethod, qc: QuantizationConfig):
-    """Before a quantized checkpoint is loaded: quantized weights and scales in every
-    projection the checkpoint quantized."""
+    """Before an fp8 checkpoint is loaded: quantized weights and scales in every projection
+    the checkpoint quantized (int4 checkpoints: `int4_weights.Int4Loader`)."""
     if any(isinstance(m, ExpertWeights) for m in model.modules()):
         raise UnsupportedModelError(
             f"{type(model).__name__}: batchlm does not load mixture-of-experts checkpoints "
@@ -201,7 +232,7 @@ def create_quantized_weights(model: nn.Module, method: LinearMethod, qc: Quantiz
         )
     packed = getattr(model, "packed_modules", {})
     for name, layer in quantizable_layers(model):
-        if not _is_ignored(name, layer, packed, qc.ignored_modules):
+        if not is_ignored(name, layer, packed, qc.ignored_modules):
             method.create_weights(layer)
 
 
@@ -209,6 +240,10 @@ def finish_quantization(model: nn.Module, method: LinearMethod, qc: Quantization
     """After loading: quantise full-precision projections (or take the checkpoint's), and
     hand them to the method."""
     for _, layer in quantizable_layers(model):
+        if qc.method == "int4":
+            if hasattr(layer, "int4_device"):
+                method.process_weights(layer)
+            continue
         if qc.from_checkpoint:
             if layer.weight.dtype != method.weight_dtype:
                 continue  # a projection the checkpoint keeps in full precision
@@ -235,16 +270,17 @@ def quantize_experts_fp8(model: nn.Module, device: torch.device) -> None:
         module.quantize_fp8()
 
 
-def _is_ignored(
+def is_ignored(
     name: str, layer: nn.Module, packed: dict[str, list[str]], ignored: tuple[str, ...]
 ) -> bool:
+    """Whether the projection `name` (every part of a merged one) matches `ignored`."""
     if not ignored:
         return False
     parent, _, leaf = name.rpartition(".")
     names = [name]
     if isinstance(layer, MergedLinear) and leaf in packed:
         names = [f"{parent}.{part}" if parent else part for part in packed[leaf]]
-    hits = [n for n in names if any(_matches(n, pattern) for pattern in ignored)]
+    hits = [n for n in names if any(matches(n, pattern) for pattern in ignored)]
     if hits and len(hits) != len(names):
         raise UnsupportedModelError(
             f"the checkpoint quantizes only some of {names} (it ignores {hits}); batchlm runs "
@@ -253,7 +289,11 @@ def _is_ignored(
     return bool(hits)
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches(name: str, pattern: str) -> bool:
+    """Whether module `name` matches a config's pattern: a name, a suffix of dotted
+    components, `re:` + a regular expression, or `Linear` (every linear layer)."""
+    if pattern == "Linear":
+        return True
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return name == pattern or name.endswith("." + pattern)

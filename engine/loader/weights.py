@@ -13,13 +13,17 @@ slices), so no rank ever holds the whole model.
 
 Quantization (`loader/quantization.py`): a quantized checkpoint's projections get quantized
 weights and `weight_scale`s before loading; a full-precision one is quantised after loading,
-so each rank quantises only its shard.
+so each rank quantises only its shard. int4 projections are found by the checkpoint's
+tensor names before loading, and their tensors go through an `Int4Loader`
+(`loader/int4_weights.py`), which repacks them; with `load_format="dummy"` they get seeded
+random int4 tensors.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from ..errors import UnsupportedModelError
 from ..models.layers.linear import MergedLinear, RowParallelLinear, _VocabShard
 from ..models.layers.moe import ExpertWeights
 from ..models.layers.norm import Float32ScaledRMSNorm
+from .int4_weights import Int4Loader
 from .moe_weights import expert_parts, missing_expert_parts
 from .quantization import (
     SCALE_LEAF,
@@ -95,6 +100,36 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, CheckpointTensor(f, name, path)
 
 
+def checkpoint_tensor_names(folder: Path) -> list[str]:
+    """Every tensor name of the checkpoint (from the index, or the files' headers)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    names = []
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names.extend(f.keys())
+        except Exception as e:
+            raise UnsupportedModelError(f"cannot read checkpoint file {path}: {e}") from e
+    return names
+
+
+def model_tensor_name(model: nn.Module, checkpoint_name: str) -> str | None:
+    """What `model` calls a checkpoint tensor (scale names unified, the model's prefix
+    renames and name replacements applied), or None for tensors it reads past."""
+    name = checkpoint_param_name(checkpoint_name)
+    if name is None:
+        return None
+    for old, new in getattr(model, "checkpoint_prefix_renames", ()):
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    for old, new in getattr(model, "checkpoint_name_replacements", ()):
+        name = name.replace(old, new)
+    return name
+
+
 def _read(src: torch.Tensor | CheckpointTensor, rows: tuple[int, int, int] | None):
     if isinstance(src, CheckpointTensor):
         return src.read(rows)
@@ -150,26 +185,18 @@ def load_weights(
     model: nn.Module,
     weights: Iterator[tuple[str, torch.Tensor | CheckpointTensor]],
     packed_modules: dict[str, list[str]],
+    int4: Int4Loader | None = None,
 ) -> None:
     """Copy checkpoint tensors (or this rank's part of them) into `model`'s parameters;
-    every parameter must be filled."""
+    every parameter must be filled. The tensors of int4 layers go to `int4`."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     shard_of = {src: (dst, i) for dst, srcs in packed_modules.items() for i, src in enumerate(srcs)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     ignored_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
-    renames = tuple(getattr(model, "checkpoint_prefix_renames", ()))
-    replacements = tuple(getattr(model, "checkpoint_name_replacements", ()))
     filled: set[str] = set()
     for checkpoint_name, tensor in weights:
-        name = checkpoint_param_name(checkpoint_name)
-        for old, new in renames:
-            if name is not None and name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        for old, new in replacements:
-            if name is not None:
-                name = name.replace(old, new)
+        name = model_tensor_name(model, checkpoint_name)
         if (
             name is None
             or name.endswith(_IGNORED_SUFFIXES)
@@ -191,6 +218,9 @@ def load_weights(
             merged, shard = shard_of[module_name]
             module_path = f"{parent}.{merged}" if parent else merged
             target = f"{module_path}.{leaf}"
+        if int4 is not None and int4.owns(module_path, leaf):
+            int4.add(module_path, shard, leaf, name, tensor)
+            continue
         param = params.get(target)
         if param is None:
             raise UnsupportedModelError(
@@ -223,6 +253,8 @@ def load_weights(
             f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}; "
             "the files are incomplete or belong to another architecture"
         )
+    if int4 is not None:
+        int4.finish()
 
 
 def _copy_tensor(
@@ -292,6 +324,15 @@ def build_model(
     weights are seeded random numbers instead and no file of `folder` is read."""
     with torch.device("meta"):
         model = model_cls(**kwargs)
+    method = make_linear_method(quantization, device, dtype) if quantization else None
+    int4 = None
+    if method is not None and quantization.method == "int4":
+        # Before materialising: an int4 layer's full-precision weight is never allocated.
+        names = None
+        if load_format != "dummy":
+            found = map(partial(model_tensor_name, model), checkpoint_tensor_names(folder))
+            names = {n for n in found if n}
+        int4 = Int4Loader(model, method, quantization, names)
     model = model.to_empty(device=device).to(dtype)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):  # materialising from meta may have untied shared parameters
@@ -300,15 +341,16 @@ def build_model(
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-    method = make_linear_method(quantization, device, dtype) if quantization else None
-    if method is not None and quantization.from_checkpoint:
+    if method is not None and quantization.from_checkpoint and int4 is None:
         create_quantized_weights(model, method, quantization)
     with torch.no_grad():
         packed = getattr(model, "packed_modules", getattr(model_cls, "packed_modules", {}))
         if load_format == "dummy":
             init_dummy_weights(model)
+            if int4 is not None:
+                int4.fill_random()
         else:
-            load_weights(model, iter_checkpoint(folder), packed)
+            load_weights(model, iter_checkpoint(folder), packed, int4)
         if method is not None:
             finish_quantization(model, method, quantization)
     # An inference engine's weights never need gradients; as in vLLM, a tensor read from

@@ -205,6 +205,27 @@ def test_fp8_checkpoint_loads_without_being_told(fp8_checkpoint):
     _assert_same(got, want, atol=1e-5)  # the same weights, the same float32 matmuls
 
 
+def test_fp8_compressed_tensors_with_dynamic_activation_scales(tiny_model_factory, tmp_path):
+    """llm-compressor's FP8_DYNAMIC scheme (per-token activation scales found at run time,
+    no `input_scale` tensors) loads as the static one does: batchlm quantises activations
+    per token at run time either way."""
+    quantized, dequantised = tmp_path / "fp8", tmp_path / "dequantised"
+    _write_fp8_checkpoint(tiny_model_factory("llama"), quantized, dequantised, "compressed-tensors")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "type": "float", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True,
+    }  # fmt: skip
+    (quantized / "config.json").write_text(json.dumps(config))
+    state = load_file(quantized / "model.safetensors")
+    assert any(name.endswith("input_scale") for name in state)
+    kept = {k: v for k, v in state.items() if not k.endswith("input_scale")}
+    save_file(kept, quantized / "model.safetensors")
+    got, qc = _run(quantized)
+    assert qc is not None and qc.method == "fp8" and qc.checkpoint_method == "compressed-tensors"
+    want, _ = _run(dequantised)
+    _assert_same(got, want, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_fp8_checkpoint_with_tensor_parallel(fp8_checkpoint):
     """Two ranks read their rows / columns of the fp8 weights and scales."""
@@ -234,8 +255,11 @@ CPU = torch.device("cpu")
 
 def test_unknown_method_names_the_alternatives(tiny_model_factory):
     with pytest.raises(
-        InvalidParamError, match=r"quantization='awq' is not supported.*'fp8', 'int8'"
+        InvalidParamError, match=r"quantization='bitsandbytes' is not supported.*'fp8', 'int8'"
     ):
+        LLM(str(tiny_model_factory("llama")), quantization="bitsandbytes")
+    # A checkpoint method (int4 loads from checkpoints only) on a full-precision checkpoint.
+    with pytest.raises(InvalidParamError, match="quantization='awq'.*no quantization_config"):
         LLM(str(tiny_model_factory("llama")), quantization="awq")
 
 
@@ -243,14 +267,14 @@ def test_unknown_method_names_the_alternatives(tiny_model_factory):
     "qc, match",
     [
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
-        ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'.*cannot load"),
+        ({"quant_method": "hqq", "bits": 4}, "quant_method='hqq'.*cannot load"),
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}},
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4}}},
             },
-            "format='pack-quantized'.*type='int' num_bits=4",
+            "type='float' num_bits=4",
         ),
     ],
 )

@@ -88,6 +88,9 @@ class LinearMethod(ABC):
 
     name: str
     weight_dtype: torch.dtype
+    supports_batch_invariance: bool = True
+    """Whether `make_batch_invariant` may route the layer through `batch_invariant_linear`
+    (its weight a plain tensor, with per-channel `weight_scale` if any)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
@@ -309,6 +312,12 @@ def make_batch_invariant(model: nn.Module) -> None:
                 f"batch_invariant=True does not cover mixture-of-experts layers ({name}: "
                 "their routed matmuls group rows by expert); use a dense model or "
                 "batch_invariant=False"
+            )
+        method = getattr(module, "quant_method", None)
+        if method is not None and not method.supports_batch_invariance:
+            raise ValueError(
+                f"batch_invariant=True does not cover {method.name} weights ({name}); "
+                "load a full-precision checkpoint or use batch_invariant=False"
             )
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = True

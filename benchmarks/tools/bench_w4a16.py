@@ -1,0 +1,199 @@
+"""The W4A16 kernel table: microseconds, weight-read GB/s and TFLOP/s per layer of the
+Llama-3.1-8B shape at 1, 16, 64, 256 and 2,048 rows, for the int4 GEMM (`kernels/w4a16.py`,
+the launch its table chooses), against bf16 cuBLAS (`F.linear` on the bf16 weight) and
+against dequantize + cuBLAS, on a CUDA GPU. Weights as W3-int4's: GPTQ-like, groups of
+128, symmetric, bf16 activations and scales.
+
+Each measurement replays a CUDA graph of back-to-back calls that cycle through enough copies
+of the weights (>= 512 MiB) that none is served from L2, as in a step where the other
+layers' weights pass through in between; the best of 5 replays of 4 graphs is kept. Every
+output is checked against `w4a16_ref` first (relative error < 1e-2).
+
+    python3 benchmarks/tools/bench_w4a16.py --out $OUT/w4a16_kernels.jsonl
+    python3 benchmarks/tools/bench_w4a16.py --rows 1 --shape down_proj --launch 1,64,128,8,4,3
+
+`--tp 2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
+`workload` "W4A16-kernel", `value` the int4 microseconds, `baseline_value` bf16 cuBLAS's,
+`ratio` bf16 time over int4 time (above 1: int4 faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K) on one rank
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+ROW_PARALLEL = ("o_proj", "down_proj")
+ROWS = (1, 16, 64, 256, 2048)
+GROUP_SIZE = 128
+COPIES_BYTES = 512 << 20
+HBM_BYTES_PER_S = 4.23e12  # the H200's measured device copy rate (BENCHMARKS.md)
+
+
+def shapes_for(tp: int) -> dict[str, tuple[int, int]]:
+    """One rank's layer shapes: column-parallel layers split N, row-parallel ones K."""
+    return {
+        name: (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
+        for name, (n, k) in SHAPES.items()
+    }
+
+
+def random_int4(num_n: int, num_k: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """A random int4 weight in the kernel's layout (symmetric, no activation order)."""
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (num_k // 8, num_n), generator=gen, device="cuda", dtype=torch.int32
+    )
+    scales = torch.rand(num_k // GROUP_SIZE, num_n, generator=gen, device="cuda")
+    scales = ((0.5 + scales) / (4.6 * num_k**0.5)).to(dtype)
+    return dict(qweight=qweight, scales=scales, zeros=None, group_size=GROUP_SIZE)
+
+
+def random_dense(num_n: int, num_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A random weight in the activation dtype (the bf16 cuBLAS baseline's)."""
+    return (torch.randn(num_n, num_k, device="cuda") / num_k**0.5).to(dtype)
+
+
+def int4_bytes(weight: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in weight.values() if torch.is_tensor(t))
+
+
+def copies(make, nbytes: int) -> list:
+    """Enough copies of `make()` (each `nbytes`) to fill `COPIES_BYTES` (at least 2)."""
+    return [make() for _ in range(max(2, -(-COPIES_BYTES // nbytes)))]
+
+
+def time_calls(fn, inputs: list, calls: int = 24, replays: int = 5) -> float:
+    """Microseconds per call of `fn(item)`, from a graph of `calls` calls cycling over
+    `inputs` (each compiled and run outside the graph first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for item in inputs[:2]:
+            fn(item)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (4 * calls))
+    del graph
+    return best
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12)).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file")
+    ap.add_argument("--shape", action="append", choices=list(SHAPES), help="default: all")
+    ap.add_argument("--rows", type=int, action="append", help=f"default: {ROWS}")
+    ap.add_argument("--tp", type=int, default=1, help="one rank's shapes at this TP size")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument(
+        "--launch", default=None,
+        help="block_m,block_n,block_k,split_k,num_warps,num_stages (or cublas) instead of the table's",
+    )  # fmt: skip
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_w4a16: needs a CUDA GPU; nothing to do on this machine")
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from common import Recorder
+
+    from batchlm.kernels.launch import device_name, dtype_name, num_sms
+    from batchlm.kernels.w4a16 import fit_launch, new_split_k_locks, w4a16, w4a16_ref
+    from batchlm.kernels.w4a16_launch import CUBLAS, W4a16Shape, choose_w4a16_launch
+
+    overrides = {}
+    if args.launch == CUBLAS:
+        overrides = dict(backend=CUBLAS)
+    elif args.launch:
+        fields = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+        overrides = dict(zip(fields, map(int, args.launch.split(",")), strict=True))
+    dtype = getattr(torch, args.dtype)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rec = Recorder(args.out)
+    locks = new_split_k_locks(device)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for name, (num_n, num_k) in shapes_for(args.tp).items():
+        if args.shape and name not in args.shape:
+            continue
+        sample = random_int4(num_n, num_k, dtype, gen)
+        int4_weights = copies(partial(random_int4, num_n, num_k, dtype, gen), int4_bytes(sample))
+        bf16_weights = copies(partial(random_dense, num_n, num_k, dtype), num_n * num_k * 2)
+        for rows in args.rows or ROWS:
+            x = torch.randn(rows, num_k, device="cuda", dtype=dtype)
+            shape = W4a16Shape(device_name(device), num_n, num_k, GROUP_SIZE, dtype_name(dtype))
+            launch = choose_w4a16_launch(rows, shape, num_sms(device), **overrides)
+            tiles = rows * -(-num_n // max(launch.block_n, 1))
+            launch = fit_launch(launch, num_k, GROUP_SIZE, False, tiles)
+            ref = w4a16_ref(x, **int4_weights[0])
+            error = relative_error(w4a16(x, **int4_weights[0], locks=locks, **overrides), ref)
+            dequant_error = relative_error(w4a16(x, **int4_weights[0], backend=CUBLAS), ref)
+            if max(error, dequant_error) > 1e-2:
+                raise AssertionError(
+                    f"{name} rows={rows}: relative errors {error}, {dequant_error}"
+                )
+            int4_us = time_calls(
+                lambda w, x=x: w4a16(x, **w, locks=locks, **overrides), int4_weights
+            )
+            dequant_us = time_calls(
+                lambda w, x=x: w4a16(x, **w, backend=CUBLAS), int4_weights, calls=8
+            )
+            bf16_us = time_calls(lambda w, x=x: F.linear(x, w), bf16_weights)
+            int4_read = int4_bytes(int4_weights[0])
+            flops = 2 * rows * num_n * num_k
+            rec.record(
+                workload="W4A16-kernel",
+                system="batchlm-w4a16",
+                metric="us",
+                value=round(int4_us, 2),
+                baseline="bf16 cuBLAS (F.linear)",
+                baseline_value=round(bf16_us, 2),
+                ratio=round(bf16_us / int4_us, 3),
+                dequant_cublas_us=round(dequant_us, 2),
+                shape=name,
+                n=num_n,
+                k=num_k,
+                rows=rows,
+                tp=args.tp,
+                group_size=GROUP_SIZE,
+                dtype=args.dtype,
+                launch=CUBLAS if launch.backend == CUBLAS else list(launch[:6]),
+                int4_weight_GBps=round(int4_read / int4_us / 1e3, 1),
+                bf16_weight_GBps=round(num_n * num_k * 2 / bf16_us / 1e3, 1),
+                int4_floor_us=round(int4_read / HBM_BYTES_PER_S * 1e6, 2),
+                int4_TFLOPs=round(flops / int4_us / 1e6, 1),
+                bf16_TFLOPs=round(flops / bf16_us / 1e6, 1),
+                rel_error=round(error, 5),
+            )
+        del int4_weights, bf16_weights
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
