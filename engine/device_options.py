@@ -1,15 +1,19 @@
 """Where an engine runs: `device=` / `device_ids=` → the engine's device and each rank's
-CUDA index, and `attention_backend=` → the attention backend's name."""
+CUDA index, `attention_backend=` → the attention backend's name, and vLLM's
+`distributed_executor_backend` checked against how batchlm runs its ranks."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from . import envs
 from .errors import InvalidParamError
+
+logger = logging.getLogger(__name__)
 
 VLLM_ATTENTION_BACKENDS = {"TRITON_ATTN": "triton"}
 """vLLM's name of an attention backend → batchlm's backend of the same kind."""
@@ -107,3 +111,33 @@ def resolve_attention_backend(name: str | None, device: torch.device) -> str:
             "attention_backend='torch' (the CPU default)"
         )
     return backend
+
+
+def check_executor_backend(backend: str | None, tensor_parallel_size: int) -> None:
+    """vLLM's `distributed_executor_backend`: the ranks of tensor_parallel_size > 1 are
+    processes spawned by the engine, which is what "mp" asks for; "ray" (Ray workers in
+    vLLM) gets the same ranks as processes; "uni" (one process) needs one rank.
+
+    Raises:
+        InvalidParamError: "uni" with several ranks, or a backend batchlm cannot drive.
+    """
+    if backend in (None, "mp"):
+        return
+    if backend == "uni":
+        if tensor_parallel_size != 1:
+            raise InvalidParamError(
+                f"distributed_executor_backend='uni' runs one rank in this process, but "
+                f"tensor_parallel_size={tensor_parallel_size}; use 'mp' (or None)"
+            )
+        return
+    if backend == "ray":
+        logger.info(
+            "distributed_executor_backend='ray': the tensor-parallel ranks run as "
+            "processes this engine spawns (no Ray cluster is used)"
+        )
+        return
+    raise InvalidParamError(
+        f"distributed_executor_backend={backend!r} is not supported: ranks are processes "
+        "the engine spawns ('mp', or None); an external launcher (torchrun) or a custom "
+        "executor class cannot drive them"
+    )

@@ -34,7 +34,7 @@ from .config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from .device_options import resolve_attention_backend, resolve_device
+from .device_options import check_executor_backend, resolve_attention_backend, resolve_device
 from .errors import InvalidParamError
 from .loader import resolve_model
 from .loader.resolve import resolve_tokenizer
@@ -178,7 +178,7 @@ class EngineArgs:
                 "chunked prefill; set enable_chunked_prefill=True or raise max_num_batched_tokens"
             )
         backend = resolve_attention_backend(self.attention_backend, device)
-        self._check_executor_backend()
+        check_executor_backend(self.distributed_executor_backend, self.tensor_parallel_size)
         speculative = self._speculative(runner_type, dtype, max_model_len, device)
         generation_defaults = self._generation_defaults(path, hf_config, runner_type)
         return EngineConfig(
@@ -236,32 +236,6 @@ class EngineArgs:
             speculative=speculative,
             structured_outputs=self._structured_outputs(runner_type),
             lora=self._lora(runner_type, dtype, speculative),
-        )
-
-    def _check_executor_backend(self) -> None:
-        """vLLM's `distributed_executor_backend`: the ranks of tensor_parallel_size > 1 are
-        processes spawned by the engine, which is what "mp" asks for; "ray" (Ray workers
-        in vLLM) gets the same ranks as processes; "uni" (one process) needs one rank."""
-        backend = self.distributed_executor_backend
-        if backend in (None, "mp"):
-            return
-        if backend == "uni":
-            if self.tensor_parallel_size != 1:
-                raise InvalidParamError(
-                    f"distributed_executor_backend='uni' runs one rank in this process, but "
-                    f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' (or None)"
-                )
-            return
-        if backend == "ray":
-            logger.info(
-                "distributed_executor_backend='ray': the tensor-parallel ranks run as "
-                "processes this engine spawns (no Ray cluster is used)"
-            )
-            return
-        raise InvalidParamError(
-            f"distributed_executor_backend={backend!r} is not supported: ranks are processes "
-            "the engine spawns ('mp', or None); an external launcher (torchrun) or a custom "
-            "executor class cannot drive them"
         )
 
     def _pooler_config(self, runner_type: str) -> PoolerConfig | None:

@@ -47,15 +47,13 @@ from .prompt_logprobs import (
     prompt_logprobs_rows,
     prompt_slices,
     score_prompt,
-    unpack_prompt_logprobs,
 )
-from .runner_output import LOGPROB_KEYS, ModelRunnerOutput, PendingOutput, token_logprobs_at
+from .runner_output import ModelRunnerOutput, PendingOutput
 from .sampler import (
     RequestGenerators,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
-    unpack_sampling_masks,
 )
 from .sleep_mode import RunnerSleep
 from .speculative import SpeculativeDecoder
@@ -65,9 +63,9 @@ from .step_buffers import (
     device_scope,
     fill_tokens,
     fresh_metadata,
-    start_copy_to_host,
     to_device,
 )
+from .step_output import copy_step_to_host
 
 if TYPE_CHECKING:
     from ..distributed.parallel import TPGroup
@@ -566,60 +564,16 @@ class ModelRunner:
         prompt_result: list[torch.Tensor],
     ) -> PendingOutput:
         """Start the step's one device → host transfer, of everything the host needs."""
-        named: dict[str, torch.Tensor] = {}
-        if result is not None:
-            named["ids"] = result.sampled_token_ids
-            if result.sampled_logprobs is not None:
-                named["lp"], named["ranks"] = result.sampled_logprobs, result.sampled_ranks
-            if result.topk_token_ids is not None:
-                named["top_ids"], named["top_lp"] = result.topk_token_ids, result.topk_logprobs
-            if result.sampling_mask_bits is not None:
-                named["mask_bits"] = result.sampling_mask_bits
-        for i, t in enumerate(prompt_result):
-            named[f"prompt{i}"] = t
         peer = self.tp.peer_all_reduce if self.tp is not None else None
-        if peer is not None:
-            named["peer_errors"] = peer.errors
-        copies, copied = start_copy_to_host(list(named.values()))
-        return PendingOutput(
-            lambda: self._unpack(reqs, dict(zip(named, copies, strict=True)), prompt_jobs),
-            copied,
+        return copy_step_to_host(
+            reqs,
+            result,
+            prompt_jobs,
+            prompt_result,
+            peer.errors if peer is not None else None,
+            self.vocab_size,
+            self.return_sampling_mask,
         )
-
-    def _unpack(
-        self,
-        reqs: list[ScheduledRequest],
-        host: dict[str, torch.Tensor],
-        prompt_jobs: list[PromptLogprobsJob],
-    ) -> ModelRunnerOutput:
-        """The step's output from its host copies."""
-        out = ModelRunnerOutput()
-        if "peer_errors" in host and host["peer_errors"].item():
-            raise RuntimeError(
-                "a tensor-parallel all-reduce gave up waiting for a rank (dead, or stuck for "
-                "minutes); this step's results are lost"
-            )
-        if prompt_jobs:
-            prompt_host = [host[name] for name in host if name.startswith("prompt")]
-            out.prompt_logprobs = unpack_prompt_logprobs(prompt_jobs, prompt_host)
-        if "ids" not in host:
-            return out
-        ids = host["ids"].tolist()
-        out.sampled = {r.request_id: t for r, t in zip(reqs, ids, strict=True)}
-        if self.return_sampling_mask:
-            masks = (
-                unpack_sampling_masks(host["mask_bits"].numpy(), self.vocab_size)
-                if "mask_bits" in host
-                else [[t] for t in ids]  # every row greedy: the mask is the argmax alone
-            )
-            out.sampling_masks = {r.request_id: m for r, m in zip(reqs, masks, strict=True)}
-        if "lp" not in host:
-            return out
-        lists = {key: host[key].tolist() for key in LOGPROB_KEYS if key in host}
-        for i, r in enumerate(reqs):
-            if r.sampling_params.logprobs is not None:
-                out.logprobs[r.request_id] = token_logprobs_at(lists, i, r.sampling_params.logprobs)
-        return out
 
 
 @dataclass

@@ -74,11 +74,23 @@ def _device_tensors(module: nn.Module, device: torch.device) -> list[torch.Tenso
         if isinstance(value, torch.Tensor)
     )
     for tensor in itertools.chain(module.parameters(), module.buffers(), attributes):
-        if id(tensor) in seen or tensor.device != device or tensor.numel() == 0:
+        if id(tensor) in seen or not on_device(tensor, device) or tensor.numel() == 0:
             continue
         seen.add(id(tensor))
         found.append(tensor)
     return found
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` lives on `device`, where a device without an index (`cuda`) means
+    the current one of its type (a runner's `cuda` holds tensors on `cuda:0`)."""
+    if tensor.device.type != device.type:
+        return False
+    if device.index is None:
+        if device.type != "cuda":
+            return True
+        return tensor.device.index == torch.cuda.current_device()
+    return tensor.device.index == device.index
 
 
 @torch.inference_mode()

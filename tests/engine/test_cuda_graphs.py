@@ -384,7 +384,7 @@ def _run(path, dtype, prompt_rounds, params, enforce_eager, **options) -> _Run:
         outs = [llm.generate(p, params, use_tqdm=False) for p in prompt_rounds]
         if graphs is None:
             return _Run(outs, llm.llm_engine.stats(), [], 0)
-        sizes = sorted(size for q, size in graphs.graphs if q == 1)
+        sizes = sorted(size for q, size, lora in graphs.graphs if q == 1 and not lora)
         return _Run(outs, llm.llm_engine.stats(), sizes, graphs.num_replays, graphs.num_row_replays)
     finally:
         llm.shutdown()  # frees the KV cache and the graphs before the next engine

@@ -200,3 +200,20 @@ def test_dummy_weights_are_drawn_again_alike(llama):
     llm.wake_up()
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
     llm.shutdown()
+
+
+def test_a_device_without_an_index_is_the_current_one_of_its_type():
+    """A runner's device is often plain `cuda`, its tensors on `cuda:0`: both are offloaded
+    (compared without CUDA: devices are plain values)."""
+    from batchlm.engine.worker.sleep_mode import on_device
+
+    cpu_tensor = torch.zeros(1)
+    assert on_device(cpu_tensor, torch.device("cpu"))
+    meta = torch.zeros(1, device="meta")
+    assert not on_device(meta, torch.device("cpu"))
+    if torch.cuda.is_available():
+        t = torch.zeros(1, device="cuda:0")
+        torch.cuda.set_device(0)
+        assert on_device(t, torch.device("cuda"))
+        assert on_device(t, torch.device("cuda:0"))
+        assert not on_device(t, torch.device("cpu"))
