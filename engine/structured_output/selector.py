@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
@@ -19,6 +20,12 @@ from ..errors import InvalidParamError
 from .backend import GrammarBackend
 from .grammar_spec import GrammarSpec
 from .schema_support import xgrammar_unsupported_features
+
+logger = logging.getLogger(__name__)
+
+TESTED_XGRAMMAR = "0.2.9"
+"""The xgrammar release the engine is tested and measured with. Older ones fill the step's
+masks far more slowly (0.2.7 ran W1-json at 0.34× its free batch on an H200, 0.2.9 at 0.96×)."""
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -158,9 +165,29 @@ def create_backend(
 ) -> GrammarBackend:
     """The backend `name`, bound to the engine's tokenizer and vocabulary."""
     if name == "xgrammar":
+        from importlib.metadata import version
+
         from .xgrammar_backend import XgrammarBackend
 
+        warning = old_xgrammar_warning(version("xgrammar"))
+        if warning is not None:
+            logger.warning(warning)
         return XgrammarBackend(tokenizer, vocab_size, stop_token_ids)
     from .guidance_backend import GuidanceBackend
 
     return GuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+
+
+def old_xgrammar_warning(installed: str) -> str | None:
+    """A warning when the installed xgrammar is older than `TESTED_XGRAMMAR` (None
+    otherwise): it works, but constrained requests run much slower."""
+    from packaging.version import Version
+
+    if Version(installed) >= Version(TESTED_XGRAMMAR):
+        return None
+    return (
+        f"xgrammar {installed} is older than {TESTED_XGRAMMAR}, the version batchlm is tested "
+        "with: structured outputs work, but the per-step token masks are much slower (on an "
+        "H200, 0.34x of the unconstrained throughput instead of 0.96x); pip install "
+        f"'xgrammar>={TESTED_XGRAMMAR},<0.3'"
+    )

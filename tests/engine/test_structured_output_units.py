@@ -287,3 +287,12 @@ def test_mask_rows_follow_the_runner_layout(tokenizer):
     assert manager.mask_source(SchedulerOutput([_scheduled("b", [7], [])], 1)) is None
     manager.finish(["a", "b", "c"])
     assert manager.num_requests == 0
+
+
+def test_an_xgrammar_older_than_the_tested_one_is_warned_about():
+    from batchlm.engine.structured_output.selector import TESTED_XGRAMMAR, old_xgrammar_warning
+
+    assert old_xgrammar_warning(TESTED_XGRAMMAR) is None
+    assert old_xgrammar_warning("0.2.10") is None
+    message = old_xgrammar_warning("0.2.7")
+    assert "0.2.7" in message and TESTED_XGRAMMAR in message and "pip install" in message
