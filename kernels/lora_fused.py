@@ -81,14 +81,16 @@ def _lora_fused_kernel(
     )
     a_mask = active[:, None, None] & r_mask[None, :, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    shrunk = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # Products summed elementwise over the K steps and reduced across the tile once at the
+    # end: a reduction per step would put a cross-thread exchange on every load's path.
+    partial = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, None, :], mask=a_mask & k_mask[None, None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=active[:, None] & k_mask[None, :], other=0.0)
-        shrunk += tl.sum(a.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
-    shrunk = shrunk.to(b_ptr.dtype.element_ty).to(tl.float32)
+        partial += a.to(tl.float32) * x.to(tl.float32)[:, None, :]
+    shrunk = tl.sum(partial, axis=2).to(b_ptr.dtype.element_ty).to(tl.float32)
     b_tile = (
         b_ptr
         + slot[:, None, None] * stride_bl
@@ -114,8 +116,8 @@ def lora_fused(
     col_blocks: torch.Tensor,
     *,
     block_n: int,
-    block_k: int = 128,
-    num_warps: int = 4,
+    block_k: int = 512,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Add each row's `(x · A[slot]ᵀ) · B[slot]ᵀ` into `out` in place, per slice.
 
@@ -127,7 +129,8 @@ def lora_fused(
         token_slots: `[M]` int32 slots (negative: no adapter).
         col_blocks: `[C, 3]` int32 from `lora_expand.column_blocks(slice_starts, block_n)`.
         block_n: Output columns per program.
-        block_k: K elements per loaded tile.
+        block_k: K elements per loaded tile at one row, halved each time the rows double
+            (the products of every row, rank and element are held until the end).
         num_warps: Warps per program.
 
     Returns:
@@ -175,7 +178,7 @@ def lora_fused(
         BLOCK_M=next_power_of_2(num_m),
         BLOCK_N=block_n,
         BLOCK_R=max(16, next_power_of_2(num_r)),
-        BLOCK_K=block_k,
+        BLOCK_K=max(16, block_k // next_power_of_2(num_m)),
         num_warps=num_warps,
         **launch_options(_lora_fused_kernel, x.device),
     )

@@ -12,11 +12,13 @@ decoder layer's four projections times 32 layers.
 
     python3 benchmarks/tools/bench_lora_kernels.py --out $OUT/lora_kernels.jsonl
     python3 benchmarks/tools/bench_lora_kernels.py --rows 1 --rows 256 --rows 2048
+    python3 benchmarks/tools/bench_lora_kernels.py --sweep --out $OUT/lora_sweep.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -27,9 +29,13 @@ import torch
 from batchlm.engine.lora.batch import LoRABuffers
 from batchlm.engine.lora.layers import (
     EXPAND_BLOCK_N,
+    EXPAND_WARPS,
     FUSED_BLOCK_K,
     FUSED_BLOCK_N,
+    FUSED_MAX_IN_FEATURES,
+    FUSED_WARPS,
     SHRINK_BLOCK_K,
+    SHRINK_WARPS,
 )
 from batchlm.engine.models.layers.linear import linear
 from batchlm.kernels.launch import num_sms
@@ -73,80 +79,182 @@ def graph_us(fn, num_copies: int) -> float:
     return best
 
 
+LAUNCH_DEFAULTS = dict(
+    fused_block_n=FUSED_BLOCK_N,
+    fused_block_k=FUSED_BLOCK_K,
+    fused_warps=FUSED_WARPS,
+    shrink_block_k=SHRINK_BLOCK_K,
+    shrink_warps=SHRINK_WARPS,
+    split_scale=1,
+    expand_block_n=EXPAND_BLOCK_N,
+    expand_warps=EXPAND_WARPS,
+)
+"""The engine's launches (`engine/lora/layers.py`); `--sweep` varies them one group at a
+time. `split_scale` multiplies the split over K that `choose_split_k` picks."""
+
+SWEEP = {
+    "fused": dict(
+        fused_block_n=[64, 128, 256],
+        fused_block_k=[128, 256, 512, 1024],
+        fused_warps=[4, 8],
+    ),
+    "shrink": dict(shrink_block_k=[32, 64, 128], shrink_warps=[4, 8], split_scale=[0.5, 1, 2]),
+    "expand": dict(expand_block_n=[64, 128, 256, 512], expand_warps=[4, 8]),
+}
+
+
+class Projection:
+    """One projection's weights (copies), adapter slots and a step's rows, on the GPU."""
+
+    def __init__(self, name: str, rows: int) -> None:
+        dtype, dev = torch.bfloat16, torch.device("cuda")
+        k, slices = PROJECTIONS[name]
+        n = sum(slices)
+        self.name, self.rows, self.k, self.num_slices = name, rows, k, len(slices)
+        self.starts = [0, *np.cumsum(slices).tolist()]
+        layer_bytes = (n * k + NUM_SLOTS * (len(slices) * RANK * k + n * RANK)) * 2
+        self.copies = max(2, min(8, COPIES_BYTES // layer_bytes))
+        gen = torch.Generator(device=dev).manual_seed(0)
+        self.weights = [
+            torch.randn(n, k, device=dev, dtype=dtype, generator=gen) / k**0.5
+            for _ in range(self.copies)
+        ]
+        self.lora_a = [
+            torch.randn(NUM_SLOTS, len(slices), RANK, k, device=dev, generator=gen).to(dtype)
+            / k**0.5
+            for _ in range(self.copies)
+        ]
+        self.lora_b = [
+            torch.randn(NUM_SLOTS, n, RANK, device=dev, generator=gen).to(dtype) * 0.01
+            for _ in range(self.copies)
+        ]
+        self.x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
+        buffers = LoRABuffers(max(rows, 16), NUM_SLOTS, dev)
+        self.batch = buffers.stage((np.arange(rows) % NUM_SLOTS).astype(np.int32))
+        self.outs = [torch.empty(rows, n, device=dev, dtype=dtype) for _ in range(2)]
+        self.base_us = graph_us(self.base, self.copies)
+
+    def base(self, i):
+        self.outs[i % 2] = linear(self.x, self.weights[i])
+        return self.outs[i % 2]
+
+    def split_k(self, launch: dict) -> int:
+        chosen = choose_split_k(
+            self.batch.tiles.shape[0],
+            self.num_slices,
+            self.k,
+            launch["shrink_block_k"],
+            num_sms(self.x.device),
+        )
+        return max(1, min(64, int(chosen * launch["split_scale"])))
+
+    def fused(self, launch: dict) -> bool:
+        """Whether the layer takes the fused kernel (as `LinearLoRA` decides, unless the
+        launch's `path` says)."""
+        path = launch.get("path")
+        if path is not None:
+            return path == "fused"
+        return self.batch.fused and self.k <= FUSED_MAX_IN_FEATURES
+
+    def with_lora(self, launch: dict):
+        dev, batch = self.x.device, self.batch
+        fused = self.fused(launch)
+        fused_blocks = column_blocks(self.starts, launch["fused_block_n"], dev)
+        expand_blocks = column_blocks(self.starts, launch["expand_block_n"], dev)
+        split_k = self.split_k(launch)
+
+        def run(i):
+            out = self.base(i)
+            if fused:
+                lora_fused(self.x, self.lora_a[i], self.lora_b[i], out, batch.token_slots,
+                           fused_blocks, block_n=launch["fused_block_n"],
+                           block_k=launch["fused_block_k"], num_warps=launch["fused_warps"])  # fmt: skip
+            else:
+                shrunk = lora_shrink(self.x, self.lora_a[i], batch.token_ids, batch.tiles,
+                                     tile_rows=batch.tile_rows, split_k=split_k,
+                                     block_k=launch["shrink_block_k"],
+                                     num_warps=launch["shrink_warps"])  # fmt: skip
+                lora_expand(shrunk, self.lora_b[i], out, batch.token_ids, batch.tiles,
+                            expand_blocks, tile_rows=batch.tile_rows,
+                            block_n=launch["expand_block_n"],
+                            num_warps=launch["expand_warps"])  # fmt: skip
+            return out
+
+        return run
+
+    def lora_us(self, launch: dict) -> float:
+        """Microseconds the adapters add to the matmul, the output checked first."""
+        run = self.with_lora(launch)
+        expected = lora_fused_ref(
+            self.x,
+            self.lora_a[0],
+            self.lora_b[0],
+            linear(self.x, self.weights[0]),
+            self.batch.token_slots,
+            self.starts,
+        )
+        torch.testing.assert_close(run(0).float(), expected.float(), atol=3e-2, rtol=3e-2)
+        return graph_us(run, self.copies) - self.base_us
+
+
 def bench(name: str, rows: int, rec) -> dict:
-    dtype, dev = torch.bfloat16, torch.device("cuda")
-    k, slices = PROJECTIONS[name]
-    n = sum(slices)
-    starts = [0, *np.cumsum(slices).tolist()]
-    layer_bytes = (n * k + NUM_SLOTS * (len(slices) * RANK * k + n * RANK)) * 2
-    copies = max(2, min(8, COPIES_BYTES // layer_bytes))
-    gen = torch.Generator(device=dev).manual_seed(0)
-    weights = [
-        torch.randn(n, k, device=dev, dtype=dtype, generator=gen) / k**0.5 for _ in range(copies)
-    ]
-    lora_a = [
-        torch.randn(NUM_SLOTS, len(slices), RANK, k, device=dev, generator=gen).to(dtype) / k**0.5
-        for _ in range(copies)
-    ]
-    lora_b = [
-        torch.randn(NUM_SLOTS, n, RANK, device=dev, generator=gen).to(dtype) * 0.01
-        for _ in range(copies)
-    ]
-    x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
-    buffers = LoRABuffers(max(rows, 16), NUM_SLOTS, dev)
-    slots = (np.arange(rows) % NUM_SLOTS).astype(np.int32)
-    batch = buffers.stage(slots)
-    fused_blocks = column_blocks(starts, FUSED_BLOCK_N, dev)
-    expand_blocks = column_blocks(starts, EXPAND_BLOCK_N, dev)
-    split_k = choose_split_k(batch.tiles.shape[0], len(slices), k, SHRINK_BLOCK_K, num_sms(dev))
-    outs = [torch.empty(rows, n, device=dev, dtype=dtype) for _ in range(2)]
-
-    def base(i):
-        outs[i % 2] = linear(x, weights[i])
-        return outs[i % 2]
-
-    def with_lora(i):
-        out = base(i)
-        if batch.fused:
-            lora_fused(x, lora_a[i], lora_b[i], out, batch.token_slots, fused_blocks,
-                       block_n=FUSED_BLOCK_N, block_k=FUSED_BLOCK_K)  # fmt: skip
-        else:
-            shrunk = lora_shrink(x, lora_a[i], batch.token_ids, batch.tiles,
-                                 tile_rows=batch.tile_rows, split_k=split_k, block_k=SHRINK_BLOCK_K)  # fmt: skip
-            lora_expand(shrunk, lora_b[i], out, batch.token_ids, batch.tiles, expand_blocks,
-                        tile_rows=batch.tile_rows, block_n=EXPAND_BLOCK_N)  # fmt: skip
-        return out
-
-    expected = lora_fused_ref(
-        x, lora_a[0], lora_b[0], linear(x, weights[0]), batch.token_slots, starts
-    )
-    torch.testing.assert_close(with_lora(0).float(), expected.float(), atol=3e-2, rtol=3e-2)
-    base_us = graph_us(base, copies)
-    lora_us = graph_us(with_lora, copies)
+    proj = Projection(name, rows)
+    lora_us = proj.lora_us(LAUNCH_DEFAULTS)
+    fused = proj.fused(LAUNCH_DEFAULTS)
+    split_k = proj.split_k(LAUNCH_DEFAULTS)
     record = dict(
         workload="lora-kernels",
         projection=name,
         rows=rows,
         path="fused"
-        if batch.fused
-        else f"shrink+expand (tile_rows {batch.tile_rows}, split_k {split_k})",
-        launches=1 if batch.fused else 2,
-        base_us=round(base_us, 2),
-        base_plus_lora_us=round(lora_us, 2),
-        lora_us=round(lora_us - base_us, 2),
-        ratio=round(lora_us / base_us, 3),
+        if fused
+        else f"shrink+expand (tile_rows {proj.batch.tile_rows}, split_k {split_k})",
+        launches=1 if fused else 2,
+        base_us=round(proj.base_us, 2),
+        base_plus_lora_us=round(proj.base_us + lora_us, 2),
+        lora_us=round(lora_us, 2),
+        ratio=round((proj.base_us + lora_us) / proj.base_us, 3),
         slots=NUM_SLOTS,
         rank=RANK,
-        weight_copies=copies,
+        weight_copies=proj.copies,
+        launch=LAUNCH_DEFAULTS,
     )
     rec(record)
     return record
+
+
+def sweep(name: str, rows: int, rec) -> None:
+    """Each group of launch fields over its values (the others at the engine's), one
+    record per launch, the best of each group last."""
+    proj = Projection(name, rows)
+    groups = ["fused", "shrink", "expand"] if proj.batch.fused else ["shrink", "expand"]
+    launch = dict(LAUNCH_DEFAULTS)
+    for group in groups:
+        if proj.batch.fused:  # the two-kernel path at a few rows too
+            launch["path"] = "fused" if group == "fused" else "two"
+        fields = SWEEP[group]
+        results = []
+        for values in itertools.product(*fields.values()):
+            trial = {**launch, **dict(zip(fields, values, strict=True))}
+            try:
+                us = proj.lora_us(trial)
+            except Exception as e:  # a launch the device cannot run (resources): skipped
+                print(f"{name} rows={rows} {trial}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            results.append((us, trial))
+            rec(dict(workload="lora-sweep", projection=name, rows=rows, group=group,
+                     lora_us=round(us, 2), launch={f: trial[f] for f in fields}))  # fmt: skip
+        best_us, launch = min(results, key=lambda r: r[0])
+        rec(dict(workload="lora-sweep-best", projection=name, rows=rows, group=group,
+                 lora_us=round(best_us, 2), base_us=round(proj.base_us, 2),
+                 launch={f: launch[f] for f in fields}))  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, action="append", help="default: 1 and 256")
     ap.add_argument("--projection", action="append", choices=list(PROJECTIONS))
+    ap.add_argument("--sweep", action="store_true", help="time each launch in SWEEP instead")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -156,6 +264,12 @@ def main() -> int:
     from common import Recorder
 
     recorder = Recorder(args.out)
+    if args.sweep:
+        for rows in args.rows or [1, 256]:
+            for name in args.projection or PROJECTIONS:
+                sweep(name, rows, lambda r: recorder.record(**r))
+        print(json.dumps({"done": True}))
+        return 0
     for rows in args.rows or [1, 256]:
         found = [
             bench(name, rows, lambda r: recorder.record(**r))

@@ -2,7 +2,8 @@
 output (`Linear.lora`), whatever computed the output (full precision, fp8, int8).
 
 Per adapted layer and step: on CUDA, one fused kernel when the step has at most
-`FUSED_MAX_ROWS` rows, else a shrink and an expand (two launches, each covering all of the
+`FUSED_MAX_ROWS` rows and the layer at most `FUSED_MAX_IN_FEATURES` inputs, else a shrink
+and an expand (two launches, each covering all of the
 layer's slices); on the CPU the same sums in PyTorch, slot by slot (each slot's rows
 found once per step, `LoRABatch.groups`). Nothing runs for a step without
 adapters. The weights are views of the manager's slot buffer, so loading an adapter into a
@@ -22,10 +23,18 @@ from batchlm.kernels.lora_shrink import choose_split_k, lora_shrink, lora_shrink
 from .batch import LoRAStepState
 from .layout import LoRATarget
 
-SHRINK_BLOCK_K = 64
-EXPAND_BLOCK_N = 128
-FUSED_BLOCK_N = 128
-FUSED_BLOCK_K = 128
+# Launches measured on the H200 (`benchmarks/tools/bench_lora_kernels.py --sweep`, the
+# Llama-3.1-8B projections at 1 and 256 rows; docs/performance.md has the figures).
+SHRINK_BLOCK_K = 128
+SHRINK_WARPS = 4
+EXPAND_BLOCK_N = 256
+EXPAND_WARPS = 4
+FUSED_BLOCK_N = 256
+FUSED_BLOCK_K = 1024
+FUSED_WARPS = 4
+FUSED_MAX_IN_FEATURES = 1 << 20
+"""Layers with more input features take shrink + expand even at a few rows: every program of
+the fused kernel reads the whole of `A`, at one SM's share of the bandwidth."""
 
 
 class LinearLoRA:
@@ -66,7 +75,7 @@ class LinearLoRA:
                 return self._add_by_slot(x, out, batch.groups)
             shrunk = lora_shrink_ref(x, self.lora_a, batch.token_slots)
             return lora_expand_ref(shrunk, self.lora_b, out, batch.token_slots, self.slice_starts)
-        if batch.fused:
+        if batch.fused and self.in_features <= FUSED_MAX_IN_FEATURES:
             return lora_fused(
                 x,
                 self.lora_a,
@@ -76,6 +85,7 @@ class LinearLoRA:
                 self.fused_blocks,
                 block_n=FUSED_BLOCK_N,
                 block_k=FUSED_BLOCK_K,
+                num_warps=FUSED_WARPS,
             )
         split_k = choose_split_k(
             batch.tiles.shape[0],
@@ -92,6 +102,7 @@ class LinearLoRA:
             tile_rows=batch.tile_rows,
             split_k=split_k,
             block_k=SHRINK_BLOCK_K,
+            num_warps=SHRINK_WARPS,
         )
         return lora_expand(
             shrunk,
@@ -102,6 +113,7 @@ class LinearLoRA:
             self.expand_blocks,
             tile_rows=batch.tile_rows,
             block_n=EXPAND_BLOCK_N,
+            num_warps=EXPAND_WARPS,
         )
 
     def _add_by_slot(
