@@ -16,22 +16,14 @@ from batchlm.operators.config import OperatorConfig
 from batchlm.operators.lora_rows import MAX_LORAS_CAP, adapter_engine_kwargs
 from batchlm.operators.rows import RowContractError, RowSpec, check_columns, process_table
 
-from ..engine.lora_reference import make_adapter
-
 MAX_TOKENS = 5
 SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 PROMPTS = ["The river bends", "A lantern glows", "Copper turns", "The meadow is", "Granite"]
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_factory, tmp_path_factory) -> dict[str, str]:
-    """Two adapters of the tiny Llama: rank 8 on every projection, rank 4 on q and v."""
-    base = tiny_model_factory("llama")
-    root = tmp_path_factory.mktemp("row-loras")
-    return {
-        "sql": str(make_adapter(base, root / "sql", r=8, seed=1)),
-        "poem": str(make_adapter(base, root / "poem", r=4, target_modules=["q_proj", "v_proj"])),
-    }
+def adapters(tiny_llama_adapters) -> dict[str, str]:
+    return tiny_llama_adapters
 
 
 @pytest.fixture(scope="module")
