@@ -130,6 +130,9 @@ def test_an_unknown_adapter_fails_its_row_and_the_others_run(llm, config, adapte
     numbers = process_table(llm, config.spec, pa.table({"prompt": PROMPTS[:2], "lora": [3, None]}))
     errors = numbers.column("error").to_pylist()
     assert "must hold an adapter's name (text) or null" in errors[0] and errors[1] is None
+    # A column pandas filled with NaN (no adapter anywhere): the base model.
+    nan = pa.table({"prompt": PROMPTS[:1], "lora": pa.array([float("nan")])})
+    assert process_table(llm, config.spec, nan).column("error").to_pylist() == [None]
 
 
 def test_a_mapped_adapter_column_and_rows_without_it(llm, adapters):

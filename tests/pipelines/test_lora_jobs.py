@@ -173,6 +173,9 @@ def test_adapter_mistakes_stop_the_job_before_any_weights_load(
     for message, changes in cases.items():
         with pytest.raises(JobSpecError, match=message):
             plan_job(JobSpec.from_dict({**good, **changes}))
+    # LoRA engine options need no enable_lora of their own: lora_modules turns it on.
+    ranked = JobSpec.from_dict({**good, "engine": {"max_lora_rank": 16, "max_loras": 1}})
+    assert plan_job(ranked).config.engine_kwargs == {"max_lora_rank": 16, "max_loras": 1}
     # The command exits with code 2 and the message.
     path = write_job(tmp_path / "job.yaml", {**good, "lora_modules": {"sql": str(tmp_path)}})
     assert cli.main(["run", str(path), "-q"]) == 2
