@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .lora_rows import adapter_engine_kwargs, add_adapters, lora_engine_kwargs
 from .rows import ModelInfo, RowContractError, RowSpec, stable_hash
 
 _ROW_FIELDS = {f.name for f in fields(RowSpec) if f.init}
@@ -69,6 +70,7 @@ class OperatorConfig:
             raise RowContractError(f"max_batch_retries={self.max_batch_retries} must be >= 0")
         if "model" in self.engine_kwargs:
             raise RowContractError("engine_kwargs must not repeat 'model'; pass it as model=")
+        lora_engine_kwargs(self.engine_kwargs, self.spec.adapters)  # enable_lora=False refused
 
     @classmethod
     def create(
@@ -96,9 +98,11 @@ class OperatorConfig:
                 (sampling_params, pooling_params, structured_outputs, truncate_prompt_tokens,
                 chat_template, chat_template_kwargs; all None), the per-row columns
                 (sampling_params_column "sampling_params", structured_outputs_column
-                "structured_outputs") and the optional generation columns
+                "structured_outputs"), the optional generation columns
                 (output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs;
-                all False). docs/operators.md says what each does.
+                all False), and LoRA adapters (lora_modules None: `{name: folder}`;
+                lora_column "lora": each row's adapter name, null for the base model).
+                docs/operators.md says what each does.
 
         Raises:
             RowContractError: an unknown option (the valid ones are listed) or a bad value.
@@ -140,13 +144,25 @@ class OperatorConfig:
         return stable_hash(self.to_dict())
 
     def engine_fingerprint(self) -> str:
-        """What determines the engine itself (model and engine options), not the rows."""
-        return stable_hash([self.model, dict(self.engine_kwargs)])
+        """What determines the engine itself (model, engine options and the adapters given
+        to it), not the rows."""
+        engine = [self.model, dict(self.engine_kwargs)]
+        if self.spec.lora_modules is not None:
+            engine.append(dict(self.spec.lora_modules))
+        return stable_hash(engine)
 
-    def build_llm(self) -> Any:
+    def build_llm(self, **overrides: Any) -> Any:
+        """`LLM(model, **engine_kwargs, **overrides)`, with the LoRA options `lora_modules`
+        needs and every adapter given to it (`lora_rows.py`): a bad adapter fails here,
+        before any row runs."""
         from batchlm.engine import LLM
 
-        return LLM(self.model, **self.engine_kwargs)
+        adapters = self.spec.adapters
+        llm = LLM(
+            self.model, **{**adapter_engine_kwargs(self.engine_kwargs, adapters), **overrides}
+        )
+        add_adapters(llm, adapters)
+        return llm
 
     def model_info(self) -> ModelInfo:
         """Reads the model's config (no weights) for the declared output schema; a model on
@@ -158,7 +174,8 @@ class OperatorConfig:
         model = self.model
         if is_remote(model):
             model = str(download_model(model, config_only=True, progress=False))
-        args = EngineArgs.from_kwargs(model, **self.engine_kwargs)
+        engine_kwargs = lora_engine_kwargs(self.engine_kwargs, self.spec.adapters)
+        args = EngineArgs.from_kwargs(model, **engine_kwargs)
         return ModelInfo.from_hf_config(args.create_engine_config().model.hf_config)
 
 

@@ -1,7 +1,8 @@
 """Generate / chat / loglikelihood rows: queue the valid rows now, build their columns later.
 
 `submit_rows` turns a batch's rows into engine requests (each row's own sampling params and
-structured-output constraint merged over the job's) and queues them with `LLM.enqueue`;
+structured-output constraint merged over the job's, and its LoRA adapter) and queues them
+with `LLM.enqueue`;
 `finish_rows` turns the finished `RequestOutput`s back into the declared columns. Between the
 two the caller drives the engine, so that several batches share its steps
 (`row_stream.py`). Rows the engine refuses get their error; the others still run.
@@ -29,6 +30,7 @@ from .loglikelihood import (
     loglikelihood_params,
 )
 from .logprob_columns import PARAMS_NEEDED, output_column_arrays
+from .lora_rows import adapters_per_row
 from .model_info import ModelInfo
 from .row_cells import column_values
 from .row_inputs import row_inputs, strip_index
@@ -72,20 +74,24 @@ def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
         )
         if constrained is not None:
             params = constrained
+    loras = adapters_per_row(spec, table, errors)
     ok = [i for i, e in enumerate(errors) if e is None]
     request_ids: list[str | None] = [None] * len(inputs)
 
     def enqueue(rows: list[int]) -> list[str]:
         items = [inputs[i] for i in rows]
         row_params = _one_or_each([params[i] for i in rows])
+        # Only a table with the adapter column passes adapters (one entry per row).
+        lora = {} if loras is None else {"lora_request": [loras[i] for i in rows]}
         if spec.task == "chat":
             return llm.enqueue_chat(
                 items,
                 row_params,
                 chat_template=spec.chat_template,
                 chat_template_kwargs=dict(spec.chat_template_kwargs or {}) or None,
+                **lora,
             )
-        return llm.enqueue(items, row_params)
+        return llm.enqueue(items, row_params, **lora)
 
     try:
         ids = enqueue(ok) if ok else []

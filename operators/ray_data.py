@@ -6,7 +6,9 @@ coroutine: Ray Data hands an actor several batches at once (up to four per task,
 (`EngineLoop`) and is answered as soon as its own rows are done, so the engine stays full.
 
 Rows may carry their own sampling params (a `sampling_params` struct or JSON column, merged
-over the config's: see `rows.py`).
+over the config's: see `rows.py`) and their own LoRA adapter (a `lora` column of names of the
+config's `lora_modules`: see `lora_rows.py`; each actor's engine is given every adapter when
+it is built).
 
 Failures: a row the engine refuses gets its message in `error` and the job goes on. Any
 other engine exception rebuilds the engine inside the actor and retries the batches that
@@ -81,7 +83,9 @@ class ProcessorConfig(OperatorConfig):
             structured_outputs_column ("structured_outputs"), pooling_params (None),
             truncate_prompt_tokens (None), chat_template (None), chat_template_kwargs
             (None), output_token_ids (False), output_logprobs (False), cumulative_logprob
-            (False), prompt_logprobs (False).
+            (False), prompt_logprobs (False), lora_modules (None: LoRA adapters as
+            {name: folder or store URI}), lora_column ("lora": each row's adapter name,
+            null for the base model).
 
     Example:
         >>> config = ProcessorConfig.create(

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from .loglikelihood import LOGLIKELIHOOD_FIELDS
 from .logprob_columns import output_column_fields
+from .lora_rows import check_adapter_column
 from .model_info import ModelInfo
 from .row_spec import ERROR_COLUMN, GENERATION_TASKS, MissingColumnsError, RowContractError, RowSpec
 
@@ -57,7 +58,8 @@ def output_schema(spec: RowSpec, info: ModelInfo, input_schema: pa.Schema) -> pa
 
 
 def check_columns(spec: RowSpec, names: Sequence[str]) -> None:
-    """Raises if a needed column is missing or an output column would overwrite an input."""
+    """Raises if a needed column is missing, an output column would overwrite an input, or
+    an adapter column comes without the spec's `lora_modules`."""
     missing = [c for c in spec.input_columns if c not in names]
     if missing:
         raise MissingColumnsError(
@@ -70,6 +72,7 @@ def check_columns(spec: RowSpec, names: Sequence[str]) -> None:
             f"input column(s) {taken} would be overwritten by the {spec.task!r} output; "
             "rename or drop them first"
         )
+    check_adapter_column(spec, names)
 
 
 def empty_output(spec: RowSpec, info: ModelInfo, input_schema: pa.Schema) -> pa.Table:

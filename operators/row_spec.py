@@ -4,7 +4,7 @@ The task names, the errors of the contract, and the spec's fingerprint. The spec
 frozen data: it travels to Ray actors and Spark workers, and hashes into engine caches and
 job manifests. A per-row input column is one `<role>_column` field here (its role listed in
 `RowSpec.input_roles`), or, for an optional per-row option (like `sampling_params_column`), a
-field here and its reading in `generation_rows.py`.
+field here and its reading in `generation_rows.py` (the adapter column: `lora_rows.py`).
 
 Example:
     >>> spec = RowSpec(task="generate", sampling_params={"max_tokens": 32, "temperature": 0})
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchlm.engine.errors import InvalidParamError, InvalidPromptError
+from batchlm.engine.loader.remote import is_remote
+from batchlm.engine.lora.registry import LoRAModules
 from batchlm.engine.pooling_params import PoolingParams
 from batchlm.engine.sampling_params import SamplingParams
 
@@ -99,8 +102,17 @@ class RowSpec:
     structured_outputs_column: str = "structured_outputs"
     """generate / chat: an optional column of per-row constraints overriding the job's (a
     JSON string or a struct of the same fields; null: the job's)."""
+    lora_modules: Mapping[str, str] | None = None
+    """generate / chat / loglikelihood: LoRA adapters by name, `{name: PEFT folder or store
+    URI}` (local paths are made absolute here, so that every worker finds them). The engine
+    is built with them (`lora_rows.py`); each row names its adapter in `lora_column`."""
+    lora_column: str = "lora"
+    """An optional column of each row's adapter: a name of `lora_modules`, or null for the
+    base model; an unknown name fails that row alone. A table with the column needs
+    `lora_modules`."""
     _sampling: SamplingParams | None = field(default=None, init=False, repr=False, compare=False)
     _pooling: PoolingParams | None = field(default=None, init=False, repr=False, compare=False)
+    _adapters: LoRAModules | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -138,6 +150,35 @@ class RowSpec:
             job_constraint(self.task, self.structured_outputs, self.sampling_params)
         except InvalidParamError as e:
             raise RowContractError(str(e)) from None
+        self._check_adapters()
+
+    def _check_adapters(self) -> None:
+        if self.lora_modules is None:
+            if self.lora_column != _default_lora_column():
+                raise RowContractError(
+                    f"lora_column={self.lora_column!r} (input.columns.lora in a job) names "
+                    "each row's LoRA adapter, but no lora_modules are given; add lora_modules "
+                    "({name: adapter folder}), or drop lora_column"
+                )
+            return
+        if self.task not in QUEUED_TASKS:
+            raise RowContractError(
+                f"lora_modules: task={self.task!r} runs the base model (adapters apply to "
+                "generate, chat and loglikelihood); drop lora_modules, or merge the adapter "
+                "into the base weights (peft's merge_and_unload) and load the merged folder"
+            )
+        if not isinstance(self.lora_modules, Mapping) or not self.lora_modules:
+            raise RowContractError(
+                f"lora_modules={self.lora_modules!r} must name at least one adapter: "
+                "{name: PEFT adapter folder}"
+            )
+        try:
+            adapters = LoRAModules(self.lora_modules)
+        except InvalidParamError as e:
+            raise RowContractError(str(e)) from None
+        absolute = {r.lora_name: _absolute(r.lora_path) for r in adapters.requests()}
+        object.__setattr__(self, "lora_modules", absolute)
+        object.__setattr__(self, "_adapters", LoRAModules(absolute))
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -171,6 +212,11 @@ class RowSpec:
         return self._sampling
 
     @property
+    def adapters(self) -> LoRAModules | None:
+        """`lora_modules` as `LoRARequest`s (ids 1..n in the order given); None without."""
+        return self._adapters
+
+    @property
     def pooling(self) -> PoolingParams:
         assert self._pooling is not None, "only pooling tasks have pooling params"
         return self._pooling
@@ -188,6 +234,17 @@ def stable_hash(value: Any) -> str:
     """A short hash of JSON-able data, equal across processes (keys sorted)."""
     text = json.dumps(value, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _default_lora_column() -> str:
+    return next(f.default for f in fields(RowSpec) if f.name == "lora_column")
+
+
+def _absolute(path: str) -> str:
+    """A local path from the current directory on; a store URI as given."""
+    if is_remote(path):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _build_params(cls: type, values: Mapping[str, Any] | None, name: str) -> Any:

@@ -24,6 +24,10 @@ Ray front end and the local runner.
 - Rows may carry their own sampling params: `map_in_arrow` reads the `sampling_params`
   column (a struct or JSON text) when the DataFrame has it; `generate_udf` / `chat_udf` take
   it as an optional last argument (`generate_udf(config)("prompt", "params")`).
+- Rows may run LoRA adapters (`lora_modules` in the config): `map_in_arrow` reads the `lora`
+  column (each row's adapter name, null for the base model); `generate_udf` / `chat_udf`
+  take it after the params (`F.lit(None).cast("string")` for none) and `loglikelihood_udf`
+  after the continuation. The engine of each worker is given every adapter when built.
 - Token ids and logprobs (`output_token_ids`, `output_logprobs`, `prompt_logprobs`) are
   arrays (of arrays) of `struct<token_id: int, logprob: float>`.
 - Rows reach the engine in slices of at most `config.batch_size`; Spark's own batches are
@@ -175,9 +179,7 @@ def get_engine(config: OperatorConfig) -> Any:
     if llm is None:
         if device == "cpu":
             _limit_cpu_threads()
-        from batchlm.engine import LLM
-
-        llm = LLM(config.model, **{**config.engine_kwargs, "device": device})
+        llm = config.build_llm(device=device)
         _ENGINES[key] = llm
         fault_injection.on_spark_engine_build(key)
     return llm
@@ -309,15 +311,21 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
     info = config.model_info()
     fields = output_fields(config.spec, info)
     names = config.spec.input_columns
-    # generate / chat: the row's own sampling params may follow, as one more argument.
-    optional = (config.spec.sampling_params_column,) if task in ("generate", "chat") else ()
+    # Optional arguments after the inputs: generate / chat the row's own sampling params,
+    # then its adapter; loglikelihood its adapter.
+    spec = config.spec
+    optional: tuple[str, ...] = ()
+    if task in ("generate", "chat"):
+        optional = (spec.sampling_params_column, spec.lora_column)
+    elif task == "loglikelihood":
+        optional = (spec.lora_column,)
     out_names = [f.name for f in fields]
 
     def run(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
         def tables() -> Iterator[pa.Table]:
             for batch in batches:
                 series = tuple(batch) if isinstance(batch, tuple) else (batch,)
-                if len(series) not in (len(names), len(names) + len(optional)):
+                if not len(names) <= len(series) <= len(names) + len(optional):
                     extra = f" and optionally {', '.join(optional)}" if optional else ""
                     raise RowContractError(
                         f"{task}_udf takes {len(names)} column(s) ({', '.join(names)}{extra}), "
@@ -345,14 +353,16 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
 
 
 def generate_udf(config: OperatorConfig) -> Any:
-    """A pandas UDF `(prompt[, sampling_params]) → struct<generated_text: string,
+    """A pandas UDF `(prompt[, sampling_params[, lora]]) → struct<generated_text: string,
     finish_reason: string, num_input_tokens: int, num_output_tokens: int, error: string>`.
 
     The prompt column holds text or token ids; the optional second column each row's own
-    sampling params (struct or JSON text, merged over `config`'s). The optional generation
-    columns switched on in `config` (output_token_ids, output_logprobs, cumulative_logprob,
-    prompt_logprobs) join the struct before `error`. `udf.output_fields` lists the struct's
-    Arrow fields.
+    sampling params (struct or JSON text, merged over `config`'s); the optional third each
+    row's LoRA adapter (a name of `config`'s lora_modules, null for the base model; give
+    `F.lit(None).cast("string")` as the second when rows have no params). The optional
+    generation columns switched on in `config` (output_token_ids, output_logprobs,
+    cumulative_logprob, prompt_logprobs) join the struct before `error`.
+    `udf.output_fields` lists the struct's Arrow fields.
 
     Example: `df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")`.
     """
@@ -360,10 +370,10 @@ def generate_udf(config: OperatorConfig) -> Any:
 
 
 def chat_udf(config: OperatorConfig) -> Any:
-    """A pandas UDF `(messages[, sampling_params]) → struct<generated_text, finish_reason,
-    num_input_tokens, num_output_tokens, error>`, as `generate_udf`; messages are an array
-    of {role, content} structs, or JSON text, rendered with the model's chat template (or
-    `config`'s chat_template).
+    """A pandas UDF `(messages[, sampling_params[, lora]]) → struct<generated_text,
+    finish_reason, num_input_tokens, num_output_tokens, error>`, as `generate_udf`; messages
+    are an array of {role, content} structs, or JSON text, rendered with the model's chat
+    template (or `config`'s chat_template).
 
     Example: `df.withColumn("out", chat_udf(config)("messages"))`.
     """
@@ -399,8 +409,9 @@ def classify_udf(config: OperatorConfig) -> Any:
 
 
 def loglikelihood_udf(config: OperatorConfig) -> Any:
-    """A pandas UDF `(context, continuation) → struct<logprob: double, is_greedy: boolean,
-    num_tokens: int, num_input_tokens: int, num_cached_tokens: int, error: string>`.
+    """A pandas UDF `(context, continuation[, lora]) → struct<logprob: double, is_greedy:
+    boolean, num_tokens: int, num_input_tokens: int, num_cached_tokens: int, error: string>`;
+    the optional `lora` column names each row's adapter (null: the base model).
 
     Example: `df.withColumn("out", loglikelihood_udf(config)("question", "choice"))`.
     """
@@ -414,13 +425,13 @@ def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
     """Every column of `df` followed by the task's output columns, via `mapInArrow`.
 
     Reads the task's columns by the names `config` gives (prompt, messages, text /
-    text_pair, context / continuation), and the per-row `sampling_params` /
-    `structured_outputs` columns when `df` has them. The output schema is declared before
-    any row runs: `df`'s schema + the task's fields (generate / chat: generated_text,
-    finish_reason, num_input_tokens, num_output_tokens and the optional generation columns;
-    embed: embedding array<float> with its length in the field metadata `FIXED_SIZE_KEY`;
-    score: score; classify: probs, label; loglikelihood: logprob, is_greedy, num_tokens,
-    num_input_tokens, num_cached_tokens), `error` last.
+    text_pair, context / continuation), and the per-row `sampling_params`,
+    `structured_outputs` and `lora` (adapter name) columns when `df` has them. The output
+    schema is declared before any row runs: `df`'s schema + the task's fields (generate /
+    chat: generated_text, finish_reason, num_input_tokens, num_output_tokens and the
+    optional generation columns; embed: embedding array<float> with its length in the field
+    metadata `FIXED_SIZE_KEY`; score: score; classify: probs, label; loglikelihood:
+    logprob, is_greedy, num_tokens, num_input_tokens, num_cached_tokens), `error` last.
 
     Example:
         >>> map_in_arrow(spark.read.parquet("docs.parquet"), embed_config).write.parquet(out)

@@ -47,7 +47,8 @@ pick another output folder, or pass --overwrite to start over.
 Job keys (see the README's "Jobs" section):
   input               path (file, folder or glob), format (auto|parquet|jsonl|csv),
                       columns (e.g. {prompt: question}; roles: prompt, messages, text,
-                      text_pair, context, continuation, sampling_params), rows_per_shard
+                      text_pair, context, continuation, sampling_params,
+                      structured_outputs, lora), rows_per_shard
   task                generate | chat | embed | score | classify | loglikelihood
   model               a model folder, a .gguf file, or a bundled name
   engine              LLM(...) options: dtype, max_model_len, max_num_seqs, ...
@@ -56,6 +57,8 @@ Job keys (see the README's "Jobs" section):
   pooling_params      embed / score / classify: normalize, dimensions, ...
   structured_outputs  generate / chat: json (a JSON Schema), regex, choice, grammar, ...
                       for every row; a row's own in input.columns.structured_outputs
+  lora_modules        generate / chat / loglikelihood: LoRA adapters, {name: folder};
+                      each row names its own in the lora column (null: the base model)
   output              path (a folder), compression
   runner              local | ray | spark
   output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import pyarrow as pa
 
+from batchlm.engine.errors import InvalidParamError
 from batchlm.engine.loader.remote import RemoteStoreError, is_remote
 from batchlm.operators import fault_injection
 from batchlm.operators.config import OperatorConfig
@@ -45,6 +46,7 @@ _PLACEMENT_DEFAULTS = {"concurrency": 1, "num_gpus": None, "max_batch_retries": 
 # The per-row params column is optional: absent under its default name, the job's params
 # apply to every row; a name the job maps it to must exist.
 _PARAMS_COLUMN = RowSpec("generate").sampling_params_column
+_ADAPTER_COLUMN = RowSpec("generate").lora_column
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,18 @@ class JobPlan:
 def results_fingerprint(config: OperatorConfig) -> str:
     """What decides a job's output: `config` without its placement fields (concurrency,
     GPUs, retries), and without the fields left at their defaults, so that an option added
-    to the row contract later leaves the identity of output written before it unchanged."""
+    to the row contract later leaves the identity of output written before it unchanged;
+    with LoRA adapters, a hash of each one's files too, so that changing an adapter changes
+    the job (a store's adapter is fetched to be hashed).
+
+    Raises:
+        InvalidParamError: an adapter on a store that cannot be read.
+    """
     data = _set_fields(replace(config, **_PLACEMENT_DEFAULTS))
     data["spec"] = _set_fields(config.spec)
+    adapters = config.spec.adapters
+    if adapters is not None:
+        data["lora_files"] = adapters.fingerprint()
     return stable_hash(data)
 
 
@@ -95,6 +106,7 @@ def plan_job(job: JobSpec) -> JobPlan:
         _check_input_columns(config, file, read_schema(file))
     _check_output(job.output.path)
     info = _model_info(config)
+    _check_adapters(config)
     shards = plan_shards(files, job.input.rows_per_shard)
     config_fp = results_fingerprint(config)
     input_fp = files_fingerprint(job.input, files)
@@ -123,10 +135,28 @@ def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Sch
             f"input.columns.sampling_params names column {column!r}, but {file.path!r} has "
             f"columns {schema.names}; map it to the column of per-row params, or drop it"
         )
+    column = spec.lora_column
+    if column != _ADAPTER_COLUMN and column not in schema.names:
+        raise JobSpecError(
+            f"input.columns.lora names column {column!r}, but {file.path!r} has columns "
+            f"{schema.names}; map it to the column of adapter names, or drop it"
+        )
     try:
         output_schema(spec, ModelInfo(1, 1), schema)
     except RowContractError as e:
         raise JobSpecError(f"input {file.path!r}: {e}") from None
+
+
+def _check_adapters(config: OperatorConfig) -> None:
+    """Each adapter's folder holds a config the engine serves and a weight file (their
+    tensors and modules are checked against the model when the engine is built)."""
+    adapters = config.spec.adapters
+    if adapters is None:
+        return
+    try:
+        adapters.ranks()
+    except InvalidParamError as e:
+        raise JobSpecError(f"lora_modules: {e}") from None
 
 
 def _check_output(path: str) -> None:

@@ -308,6 +308,13 @@ def _validate(
 
         valid = tuple(f.name for f in fields(EngineArgs) if f.name != "model")
         _check_keys(dict(engine), valid, "engine")
+        if values.get("lora_modules") is not None:  # they turn enable_lora on
+            if dict(engine).get("enable_lora", True) is not True:
+                raise JobSpecError(
+                    f"engine.enable_lora: {engine['enable_lora']!r}, but lora_modules names "
+                    "adapters; drop engine.enable_lora (lora_modules turns it on)"
+                )
+            engine = {**engine, "enable_lora": True}
         try:  # the values too, before any shard is read or engine built
             EngineArgs(model=str(values.get("model")), **dict(engine)).validate()
         except InvalidParamError as e:

@@ -211,3 +211,17 @@ def tiny_model_factory(tmp_path_factory, tokenizer_files):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_adapters(tiny_model_factory, tmp_path_factory) -> dict[str, str]:
+    """Two PEFT adapters of the tiny Llama, as a job's `lora_modules`: "sql", rank 8 on every
+    projection, and "poem", rank 4 on q and v (copy them before changing their files)."""
+    from tests.engine.lora_reference import make_adapter
+
+    base = tiny_model_factory("llama")
+    root = tmp_path_factory.mktemp("tiny-llama-loras")
+    return {
+        "sql": str(make_adapter(base, root / "sql", r=8, seed=1)),
+        "poem": str(make_adapter(base, root / "poem", r=4, target_modules=["q_proj", "v_proj"])),
+    }

@@ -81,6 +81,15 @@ def check_beam_search(stdout: str) -> None:
         assert [float(s) for _, s in prompt] == sorted((float(s) for _, s in prompt), reverse=True)
 
 
+def check_lora_generate(stdout: str) -> None:
+    rows = re.findall(r"^\[(base|red|blue)\] (.+) -> (.+)$", stdout, flags=re.MULTILINE)
+    assert [name for name, _, _ in rows] == ["base", "red", "blue"] * 2
+    texts = [ast.literal_eval(t) for _, _, t in rows]
+    assert all(t.strip() for t in texts)
+    for i in (1, 2):  # each adapter changes what the base model writes for some prompt
+        assert texts[i] != texts[0] or texts[3 + i] != texts[3], rows
+
+
 def check_generate_rows(stdout: str) -> None:
     """ray_generate / spark_generate: 24 prompts and a null one, in and out."""
     assert re.search(r"^25 rows → ", stdout, flags=re.MULTILINE)
@@ -123,6 +132,7 @@ CHECKS: dict[str, tuple[str | None, Callable[[str], None]]] = {
     "queue_api": (None, check_queue_api),
     "sampling_params": (None, check_sampling_params),
     "beam_search": (None, check_beam_search),
+    "lora_generate": ("peft", check_lora_generate),
     "ray_generate": ("ray", check_generate_rows),
     "ray_embed": ("ray", check_ray_embed),
     "spark_generate": ("pyspark", check_generate_rows),

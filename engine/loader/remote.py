@@ -38,7 +38,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,7 +232,13 @@ def download_model(uri: str, *, config_only: bool = False, progress: bool = True
     return fetch_model(uri, config_only=config_only, progress=progress).path
 
 
-def fetch_model(uri: str, *, config_only: bool = False, progress: bool = True) -> DownloadReport:
+def fetch_model(
+    uri: str,
+    *,
+    config_only: bool = False,
+    progress: bool = True,
+    names: Collection[str] | None = None,
+) -> DownloadReport:
     """Copies the folder (or single file) at `uri` into `$BATCHLM_CACHE_DIR/remote/`, once.
 
     A later call lists the store again and fetches nothing when the copy matches the listing
@@ -244,9 +250,11 @@ def fetch_model(uri: str, *, config_only: bool = False, progress: bool = True) -
         config_only: skip the weight files (`*.safetensors`, `*.bin`, ... of 16 MiB and
             more): enough to read the model's config and tokenizer without its weights.
         progress: a progress bar of bytes on stderr while fetching.
+        names: fetch only the files of the folder with these names (paths relative to
+            it), such as a LoRA adapter's config and weights out of a training run's folder.
 
     Raises:
-        ModelNotFoundError: nothing is stored at `uri`.
+        ModelNotFoundError: nothing is stored at `uri` (none of `names`, when given).
         RemoteStoreError: the store cannot be reached or refuses, or a file's size differs
             from the listing after its download (it changed meanwhile: run again).
     """
@@ -271,13 +279,15 @@ def fetch_model(uri: str, *, config_only: bool = False, progress: bool = True) -
             for name, i in entries.items()
             if not (name.endswith(WEIGHT_SUFFIXES) and i.size >= CONFIG_ONLY_MAX_WEIGHT_BYTES)
         }
+    if names is not None and info.type == pafs.FileType.Directory:
+        entries = {name: i for name, i in entries.items() if name in names}
     if not entries:
         raise ModelNotFoundError(
             f"model={uri!r}: the store has no file or non-empty folder there; pass the URI of "
             "a model folder (config.json, *.safetensors, tokenizer files) or of a .gguf file"
         )
     listing = {name: [int(i.size), _mtime_ns(i)] for name, i in sorted(entries.items())}
-    target = _cache_folder(store.uri, config_only)
+    target = _cache_folder(store.uri, config_only, names)
     with _locked(target):
         report = _sync(store, entries, listing, target, progress)
     if info.type == pafs.FileType.File:
@@ -300,9 +310,12 @@ def _mtime_ns(info: Any) -> int:
     return int(mtime) if mtime is not None else 0
 
 
-def _cache_folder(uri: str, config_only: bool) -> Path:
+def _cache_folder(uri: str, config_only: bool, names: Collection[str] | None = None) -> Path:
     """`$BATCHLM_CACHE_DIR/remote/<last name>-<hash of the URI>` (`-config` for config-only)."""
-    key = hashlib.sha256(f"{uri}|{'config' if config_only else 'all'}".encode()).hexdigest()
+    what = "config" if config_only else "all"
+    if names is not None:
+        what += "|" + ",".join(sorted(names))
+    key = hashlib.sha256(f"{uri}|{what}".encode()).hexdigest()
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", _base_name(uri.split("://", 1)[-1]))[:48] or "model"
     suffix = "-config" if config_only else ""
     return envs.cache_dir() / "remote" / f"{name}-{key[:16]}{suffix}"

@@ -1,5 +1,7 @@
 """PEFT LoRA adapter folders: `adapter_config.json` and `adapter_model.safetensors` (or
-`adapter_model.bin`, read with `weights_only=True`), read and checked.
+`adapter_model.bin`, read with `weights_only=True`), read and checked. A folder on an object
+store (`s3://bucket/adapters/sql`, any URI `loader/remote.py` serves) is read from a copy of
+those files, fetched once per machine into `$BATCHLM_CACHE_DIR`.
 
 What is served: plain LoRA (`r`, `lora_alpha`, `use_rslora`, `rank_pattern`,
 `alpha_pattern`, `target_modules` as names, a regex or `"all-linear"`) on linear
@@ -99,13 +101,7 @@ def read_peft_adapter(request: LoRARequest) -> PeftAdapter:
         InvalidParamError: a missing folder or file, an unreadable one, a refused setting,
             or tensors that do not pair up; the message names the adapter.
     """
-    folder = Path(request.lora_path).expanduser()
-    if not folder.is_dir():
-        raise adapter_error(
-            request,
-            f"lora_path {str(folder)!r} is not a folder; pass the folder PEFT's "
-            "save_pretrained wrote (adapter_config.json and adapter_model.safetensors)",
-        )
+    folder = adapter_folder(request)
     config = _read_config(request, folder)
     weights = _read_weights(request, folder)
     rank_pattern = _pattern(request, config, "rank_pattern")
@@ -130,6 +126,63 @@ def read_peft_adapter(request: LoRARequest) -> PeftAdapter:
     if not modules:
         raise adapter_error(request, "its weights hold no lora_A / lora_B tensors")
     return PeftAdapter(request, config.get("target_modules") or [], modules)
+
+
+def adapter_folder(request: LoRARequest) -> Path:
+    """The adapter's local folder: `lora_path`, or the local copy of a store URI's config and
+    weight files (fetched when absent or changed on the store).
+
+    Raises:
+        InvalidParamError: not a folder, or a store that cannot be read or holds no adapter
+            there; the message names the adapter.
+    """
+    from ..loader.remote import is_remote
+
+    if not is_remote(request.lora_path):
+        folder = Path(request.lora_path).expanduser()
+        if not folder.is_dir():
+            raise adapter_error(
+                request,
+                f"lora_path {str(folder)!r} is not a folder; pass the folder PEFT's "
+                "save_pretrained wrote (adapter_config.json and adapter_model.safetensors)",
+            )
+        return folder
+    from ..errors import ModelNotFoundError
+    from ..loader.remote import fetch_model
+
+    try:
+        return fetch_model(
+            request.lora_path, progress=False, names=(CONFIG_FILE, *WEIGHT_FILES)
+        ).path
+    except ModelNotFoundError:
+        raise adapter_error(
+            request,
+            f"the store holds none of {CONFIG_FILE}, {', '.join(WEIGHT_FILES)} there; pass the "
+            "URI of the folder PEFT's save_pretrained wrote",
+        ) from None
+    except OSError as e:  # RemoteStoreError: unreachable, refused, no credentials
+        raise adapter_error(request, str(e)) from None
+
+
+def adapter_config_rank(request: LoRARequest) -> int:
+    """The largest rank the adapter's `adapter_config.json` gives (`r` and the values of
+    `rank_pattern`), after checking that the folder holds a config batchlm serves and a
+    weight file; the weights are read (and checked) later, by the engine's `add_lora`.
+
+    Raises:
+        InvalidParamError: what `read_peft_adapter` refuses about the folder and config.
+    """
+    folder = adapter_folder(request)
+    config = _read_config(request, folder)
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise adapter_error(
+            request, f"{folder} holds neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}"
+        )
+    ranks = [config.get("r", 8), *_pattern(request, config, "rank_pattern").values()]
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise adapter_error(request, f"rank {rank!r} in {CONFIG_FILE} must be an integer >= 1")
+    return max(ranks)
 
 
 def adapter_fingerprint(path: str | Path) -> str:

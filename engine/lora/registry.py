@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 
 from ..errors import InvalidParamError
-from .peft_folder import adapter_fingerprint
+from .peft_folder import adapter_config_rank, adapter_fingerprint, adapter_folder
 from .request import LoRARequest
 
 
@@ -115,11 +115,36 @@ class LoRAModules:
             )
         return found
 
+    def ranks(self) -> dict[str, int]:
+        """Name → the largest rank its `adapter_config.json` gives (`adapter_config_rank`:
+        the folder and config checked, not yet the weights).
+
+        Raises:
+            InvalidParamError: a folder or config the engine would refuse, naming the adapter.
+        """
+        return {name: adapter_config_rank(r) for name, r in self._requests.items()}
+
     def fingerprint(self) -> dict[str, str]:
-        """Name → a hash of its folder's files (`adapter_fingerprint`)."""
-        return {name: adapter_fingerprint(r.lora_path) for name, r in self._requests.items()}
+        """Name → a hash of its folder's files (`adapter_fingerprint`; a store's adapter is
+        hashed from its local copy, fetched if need be).
+
+        Raises:
+            InvalidParamError: a store that cannot be read.
+        """
+        return {
+            name: adapter_fingerprint(adapter_folder(r) if _is_uri(r.lora_path) else r.lora_path)
+            for name, r in self._requests.items()
+        }
+
+
+def _is_uri(path: str) -> bool:
+    from ..loader.remote import is_remote
+
+    return is_remote(path)
 
 
 def _where(path: str) -> str:
-    """A folder's path as the same folder always spells it."""
+    """A folder's path as the same folder always spells it (a store URI as given)."""
+    if _is_uri(path):
+        return path.rstrip("/")
     return os.path.realpath(os.path.expanduser(path))

@@ -19,8 +19,9 @@ class LoRARequest:
         lora_name: The adapter's name (what outputs and errors call it).
         lora_int_id: The adapter's id, >= 1 and unique per adapter within an engine: the
             engine caches the adapter's weights and KV blocks under it.
-        lora_path: A local PEFT adapter folder (`adapter_config.json` and
-            `adapter_model.safetensors` or `.bin`).
+        lora_path: A PEFT adapter folder (`adapter_config.json` and
+            `adapter_model.safetensors` or `.bin`): a local path, or a store URI
+            (`s3://bucket/adapters/sql`), whose files are fetched once per machine.
 
     Equal (and hashed) by name, as in vLLM.
 

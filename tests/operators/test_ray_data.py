@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchlm.engine import LLM, SamplingParams
+from batchlm.engine import LLM, LoRARequest, SamplingParams
 from batchlm.operators.fault_injection import ActorFault, FaultPlan
 from batchlm.operators.ray_data import (
     GenerateActor,
@@ -437,3 +437,43 @@ def test_loglikelihood_rows(ray_local, tmp_path, tiny_model_factory):
             continue
         assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-4), got["id"]
         assert (got["is_greedy"], got["num_tokens"]) == (want["is_greedy"], want["num_tokens"])
+
+
+def test_rows_across_lora_adapters(ray_local, tmp_path, tiny_model_factory, tiny_llama_adapters):
+    model = str(tiny_model_factory("llama"))
+    names = [None, "sql", "poem", "sqll", "sql", None, "poem", "poem", "sql", None, "sql", "poem"]
+    prompts = [f"The {WORDS[i % 8]} number {i} is" for i in range(len(names))]
+    table = pa.table({"id": pa.array(range(len(names)), pa.int64()), "q": prompts, "ad": names})
+    source = _write_parts(tmp_path / "in", table, num_parts=2)
+    config = ProcessorConfig.create(
+        model,
+        "generate",
+        engine_kwargs={"max_model_len": 64},
+        sampling_params={"max_tokens": 6, "temperature": 0.0},
+        prompt_column="q",
+        lora_modules=tiny_llama_adapters,
+        lora_column="ad",
+        output_token_ids=True,
+        batch_size=4,
+        stats_dir=str(tmp_path / "stats"),
+    )
+    build_processor(config)(ray_local.data.read_parquet(str(source))).write_parquet(
+        str(tmp_path / "out")
+    )
+    out = pq.read_table(tmp_path / "out").sort_by("id").to_pylist()
+    assert [s["num_engine_builds"] for s in _stats(tmp_path / "stats")] == [1]
+
+    # LLM.generate with each row's LoRARequest (ids in the order of lora_modules).
+    llm = LLM(model, max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    requests = {n: LoRARequest(n, i, p) for i, (n, p) in enumerate(tiny_llama_adapters.items(), 1)}
+    known = [i for i, n in enumerate(names) if n is None or n in requests]
+    refs = llm.generate(
+        [prompts[i] for i in known],
+        SamplingParams(max_tokens=6, temperature=0.0),
+        use_tqdm=False,
+        lora_request=[requests.get(names[i]) for i in known],
+    )
+    _release(llm)
+    assert "'sqll' is not among the job's lora_modules ('sql', 'poem')" in out[3]["error"]
+    for i, ref in zip(known, refs, strict=True):
+        assert out[i]["error"] is None and out[i]["output_token_ids"] == ref.outputs[0].token_ids

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchlm.engine import LLM, SamplingParams
+from batchlm.engine import LLM, LoRARequest, SamplingParams
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.fault_injection import SPARK_TRACE_PROPERTY
 from batchlm.operators.rows import RowContractError, process_table
@@ -287,6 +287,60 @@ def test_udfs_take_json_params_and_score_loglikelihoods(spark, tiny_llama, tiny_
         if want["error"] is None:
             assert row.o.logprob == pytest.approx(want["logprob"], abs=1e-4)
             assert (row.o.is_greedy, row.o.num_tokens) == (want["is_greedy"], want["num_tokens"])
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------
+
+LORA_NAMES = [None, "sql", "poem", "sqll", "sql", None, "poem", "poem", "sql"]
+
+
+def _lora_reference(model: str, adapters: dict[str, str], prompts: list[str]) -> list:
+    """`LLM.generate` with each row's `LoRARequest` (None where the name is unknown)."""
+    llm = LLM(model, max_model_len=GEN_MAX_MODEL_LEN, enable_lora=True, max_lora_rank=8)
+    requests = {n: LoRARequest(n, i, p) for i, (n, p) in enumerate(adapters.items(), 1)}
+    known = [i for i, n in enumerate(LORA_NAMES) if n is None or n in requests]
+    outs = llm.generate(
+        [prompts[i] for i in known],
+        SamplingParams(**GEN_SAMPLING),
+        use_tqdm=False,
+        lora_request=[requests.get(LORA_NAMES[i]) for i in known],
+    )
+    llm.shutdown()
+    ref: list = [None] * len(prompts)
+    for i, out in zip(known, outs, strict=True):
+        ref[i] = out.outputs[0].token_ids
+    return ref
+
+
+def test_rows_across_lora_adapters(spark, tiny_llama, tiny_llama_adapters):
+    from pyspark.sql import functions as F
+
+    config = OperatorConfig.create(
+        tiny_llama,
+        "generate",
+        engine_kwargs={"max_model_len": GEN_MAX_MODEL_LEN},
+        sampling_params=GEN_SAMPLING,
+        lora_modules=tiny_llama_adapters,
+        output_token_ids=True,
+        batch_size=4,
+    )
+    prompts = [f"Item {i}: the bird saw" for i in range(len(LORA_NAMES))]
+    df = spark.createDataFrame(
+        list(zip(range(len(prompts)), prompts, LORA_NAMES, strict=True)),
+        "id long, prompt string, lora string",
+    ).coalesce(1)  # one task: one engine to build
+    expected = _lora_reference(tiny_llama, tiny_llama_adapters, prompts)
+    udf = spark_udf.generate_udf(config)("prompt", F.lit(None).cast("string"), "lora")
+    for rows in (
+        sorted(spark_udf.map_in_arrow(df, config).collect()),
+        [r.o for r in sorted(df.select("id", udf.alias("o")).collect())],
+    ):
+        assert "'sqll' is not among the job's lora_modules ('sql', 'poem')" in rows[3].error
+        for i, row in enumerate(rows):
+            if i != 3:
+                assert row.error is None and row.output_token_ids == expected[i], i
+    with pytest.raises(RowContractError, match="column 'lora' names a LoRA adapter per row"):
+        spark_udf.map_in_arrow(df, OperatorConfig.create(tiny_llama, "generate"))
 
 
 # ---- pooling -------------------------------------------------------------------------------

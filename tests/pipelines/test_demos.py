@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -17,11 +18,14 @@ from batchlm.pipelines.shards import find_input_files, plan_shards, read_shard
 
 from .conftest import REPO
 
+EXAMPLES = REPO / "examples"
+
 DEMO_ROWS = {
     "generate_demo.yaml": 40,
     "embed_demo.yaml": 160,
     "score_demo.yaml": 80,
     "extract_demo.yaml": 16,
+    "lora_demo.yaml": 12,
 }
 """Each demo job's rows, as the README's table of demos states them."""
 
@@ -52,8 +56,8 @@ def read_output(output: Path, job: JobSpec) -> pa.Table:
     return table
 
 
-def run_demo(name: str, output: Path, capsys) -> tuple[int, str]:
-    code = cli.main(["run", str(REPO / "conf" / name), "--output", str(output), "-q"])
+def run_demo(name: str, output: Path, capsys, *args: str) -> tuple[int, str]:
+    code = cli.main(["run", str(REPO / "conf" / name), "--output", str(output), "-q", *args])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return code, captured.out
@@ -109,6 +113,29 @@ def test_extract_demo(tmp_path, capsys):
     ):
         jsonschema.validate(json.loads(text), schema)  # every row: JSON that fits the schema
         assert reason == "stop"
+
+
+def test_lora_demo(tmp_path, capsys):
+    """The adapters the example script makes, where the test puts them (the demo reads them
+    from the current directory's out/lora_adapters, where the script writes them)."""
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location("lora_generate", EXAMPLES / "lora_generate.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    adapters = example.make_adapters(tmp_path / "adapters")
+    overrides = [f"lora_modules.{name}={path}" for name, path in adapters.items()]
+    job = load_job(REPO / "conf" / "lora_demo.yaml", overrides)
+    assert job.lora_modules == {"red": adapters["red"], "blue": adapters["blue"]}
+    run_demo("lora_demo.yaml", tmp_path / "lora", capsys, *(f"--set={o}" for o in overrides))
+    table = read_output(tmp_path / "lora", job)
+    rows = table.to_pylist()
+    assert [r["adapter"] for r in rows] == [None, "red", "blue"] * 4
+    for name in ("red", "blue"):  # each adapter changes what the base model writes
+        changed = [
+            base["generated_text"] != adapted["generated_text"]
+            for base, adapted in zip(rows[0::3], rows[1 + (name == "blue") :: 3], strict=True)
+        ]
+        assert any(changed), name
 
 
 def test_every_demo_runs_over_the_data_in_conf():
