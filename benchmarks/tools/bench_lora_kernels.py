@@ -26,13 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchlm.engine.lora.batch import LoRABuffers
+from batchlm.engine.lora.batch import SMALL_TILE_ROWS, LoRABuffers
 from batchlm.engine.lora.layers import (
     EXPAND_BLOCK_N,
+    EXPAND_BLOCK_N_LARGE_TILES,
     EXPAND_WARPS,
+    EXPAND_WARPS_LARGE_TILES,
     FUSED_BLOCK_K,
     FUSED_BLOCK_N,
-    FUSED_MAX_IN_FEATURES,
     FUSED_WARPS,
     SHRINK_BLOCK_K,
     SHRINK_WARPS,
@@ -92,6 +93,18 @@ LAUNCH_DEFAULTS = dict(
 """The engine's launches (`engine/lora/layers.py`); `--sweep` varies them one group at a
 time. `split_scale` multiplies the split over K that `choose_split_k` picks."""
 
+
+def launch_defaults(tile_rows: int) -> dict:
+    """The engine's launches for tiles of `tile_rows` rows (prefill steps' are larger)."""
+    if tile_rows <= SMALL_TILE_ROWS:
+        return dict(LAUNCH_DEFAULTS)
+    return dict(
+        LAUNCH_DEFAULTS,
+        expand_block_n=EXPAND_BLOCK_N_LARGE_TILES,
+        expand_warps=EXPAND_WARPS_LARGE_TILES,
+    )
+
+
 SWEEP = {
     "fused": dict(
         fused_block_n=[64, 128, 256],
@@ -148,17 +161,9 @@ class Projection:
         )
         return max(1, min(64, int(chosen * launch["split_scale"])))
 
-    def fused(self, launch: dict) -> bool:
-        """Whether the layer takes the fused kernel (as `LinearLoRA` decides, unless the
-        launch's `path` says)."""
-        path = launch.get("path")
-        if path is not None:
-            return path == "fused"
-        return self.batch.fused and self.k <= FUSED_MAX_IN_FEATURES
-
     def with_lora(self, launch: dict):
         dev, batch = self.x.device, self.batch
-        fused = self.fused(launch)
+        fused = batch.fused
         fused_blocks = column_blocks(self.starts, launch["fused_block_n"], dev)
         expand_blocks = column_blocks(self.starts, launch["expand_block_n"], dev)
         split_k = self.split_k(launch)
@@ -199,9 +204,10 @@ class Projection:
 
 def bench(name: str, rows: int, rec) -> dict:
     proj = Projection(name, rows)
-    lora_us = proj.lora_us(LAUNCH_DEFAULTS)
-    fused = proj.fused(LAUNCH_DEFAULTS)
-    split_k = proj.split_k(LAUNCH_DEFAULTS)
+    launch = launch_defaults(proj.batch.tile_rows)
+    lora_us = proj.lora_us(launch)
+    fused = proj.batch.fused
+    split_k = proj.split_k(launch)
     record = dict(
         workload="lora-kernels",
         projection=name,
@@ -217,7 +223,7 @@ def bench(name: str, rows: int, rec) -> dict:
         slots=NUM_SLOTS,
         rank=RANK,
         weight_copies=proj.copies,
-        launch=LAUNCH_DEFAULTS,
+        launch=launch,
     )
     rec(record)
     return record
@@ -227,11 +233,9 @@ def sweep(name: str, rows: int, rec) -> None:
     """Each group of launch fields over its values (the others at the engine's), one
     record per launch, the best of each group last."""
     proj = Projection(name, rows)
-    groups = ["fused", "shrink", "expand"] if proj.batch.fused else ["shrink", "expand"]
-    launch = dict(LAUNCH_DEFAULTS)
+    groups = ["fused"] if proj.batch.fused else ["shrink", "expand"]
+    launch = launch_defaults(proj.batch.tile_rows)
     for group in groups:
-        if proj.batch.fused:  # the two-kernel path at a few rows too
-            launch["path"] = "fused" if group == "fused" else "two"
         fields = SWEEP[group]
         results = []
         for values in itertools.product(*fields.values()):

@@ -42,8 +42,7 @@ class LoRABatch:
     tile_rows: int
     """Most rows of a tile (the shrink and expand kernels' `BLOCK_M`)."""
     fused: bool
-    """At most `FUSED_MAX_ROWS` rows: one fused kernel per layer of few enough input
-    features (the tiles are there for the others)."""
+    """At most `FUSED_MAX_ROWS` rows: one fused kernel per layer (no tiles)."""
     groups: tuple[tuple[int, torch.Tensor | None], ...] = ()
     """Off CUDA: `(slot, rows)` for every slot the step runs, `rows` the int64 indices of
     its tokens (None: every row), for the PyTorch path."""
@@ -128,17 +127,17 @@ class LoRABuffers:
         host, dev = self.host, self.tensors
         host["token_slots"][:num_tokens] = torch.from_numpy(token_slots)
         dev["token_slots"][:num_tokens].copy_(host["token_slots"][:num_tokens], non_blocking=True)
-        # Tiles for a fused step too: layers with many input features take the two
-        # kernels at any number of rows (`layers.FUSED_MAX_IN_FEATURES`).
-        token_ids, tiles = slot_tiles(token_slots, tile_rows)
-        num_tiles = len(tiles) if static is None else static.tiles.shape[0]
-        host["token_ids"][: len(token_ids)] = torch.from_numpy(token_ids)
-        host["tiles"][:num_tiles] = 0
-        host["tiles"][: len(tiles)] = torch.from_numpy(tiles)
-        dev["token_ids"][: len(token_ids)].copy_(
-            host["token_ids"][: len(token_ids)], non_blocking=True
-        )
-        dev["tiles"][:num_tiles].copy_(host["tiles"][:num_tiles], non_blocking=True)
+        num_tiles = 0
+        if not fused:
+            token_ids, tiles = slot_tiles(token_slots, tile_rows)
+            num_tiles = len(tiles) if static is None else static.tiles.shape[0]
+            host["token_ids"][: len(token_ids)] = torch.from_numpy(token_ids)
+            host["tiles"][:num_tiles] = 0
+            host["tiles"][: len(tiles)] = torch.from_numpy(tiles)
+            dev["token_ids"][: len(token_ids)].copy_(
+                host["token_ids"][: len(token_ids)], non_blocking=True
+            )
+            dev["tiles"][:num_tiles].copy_(host["tiles"][:num_tiles], non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True

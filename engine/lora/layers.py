@@ -2,8 +2,7 @@
 output (`Linear.lora`), whatever computed the output (full precision, fp8, int8).
 
 Per adapted layer and step: on CUDA, one fused kernel when the step has at most
-`FUSED_MAX_ROWS` rows and the layer at most `FUSED_MAX_IN_FEATURES` inputs, else a shrink
-and an expand (two launches, each covering all of the
+`FUSED_MAX_ROWS` rows, else a shrink and an expand (two launches, each covering all of the
 layer's slices); on the CPU the same sums in PyTorch, slot by slot (each slot's rows
 found once per step, `LoRABatch.groups`). Nothing runs for a step without
 adapters. The weights are views of the manager's slot buffer, so loading an adapter into a
@@ -20,7 +19,7 @@ from batchlm.kernels.lora_expand import column_blocks, lora_expand, lora_expand_
 from batchlm.kernels.lora_fused import lora_fused
 from batchlm.kernels.lora_shrink import choose_split_k, lora_shrink, lora_shrink_ref
 
-from .batch import LoRAStepState
+from .batch import SMALL_TILE_ROWS, LoRAStepState
 from .layout import LoRATarget
 
 # Launches measured on the H200 (`benchmarks/tools/bench_lora_kernels.py --sweep`, the
@@ -29,12 +28,13 @@ SHRINK_BLOCK_K = 128
 SHRINK_WARPS = 4
 EXPAND_BLOCK_N = 256
 EXPAND_WARPS = 4
+EXPAND_BLOCK_N_LARGE_TILES = 128
+"""For tiles of `batch.LARGE_TILE_ROWS` rows (prefill steps): a `[64, 256]` float32 tile
+would not fit the registers of 4 warps."""
+EXPAND_WARPS_LARGE_TILES = 4
 FUSED_BLOCK_N = 256
 FUSED_BLOCK_K = 1024
 FUSED_WARPS = 4
-FUSED_MAX_IN_FEATURES = 1 << 20
-"""Layers with more input features take shrink + expand even at a few rows: every program of
-the fused kernel reads the whole of `A`, at one SM's share of the bandwidth."""
 
 
 class LinearLoRA:
@@ -58,6 +58,9 @@ class LinearLoRA:
         self.in_features = target.in_features
         device = lora_a.device
         self.expand_blocks = column_blocks(self.slice_starts, EXPAND_BLOCK_N, device)
+        self.expand_blocks_large = column_blocks(
+            self.slice_starts, EXPAND_BLOCK_N_LARGE_TILES, device
+        )
         self.fused_blocks = column_blocks(self.slice_starts, FUSED_BLOCK_N, device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -75,7 +78,7 @@ class LinearLoRA:
                 return self._add_by_slot(x, out, batch.groups)
             shrunk = lora_shrink_ref(x, self.lora_a, batch.token_slots)
             return lora_expand_ref(shrunk, self.lora_b, out, batch.token_slots, self.slice_starts)
-        if batch.fused and self.in_features <= FUSED_MAX_IN_FEATURES:
+        if batch.fused:
             return lora_fused(
                 x,
                 self.lora_a,
@@ -104,16 +107,17 @@ class LinearLoRA:
             block_k=SHRINK_BLOCK_K,
             num_warps=SHRINK_WARPS,
         )
+        large = batch.tile_rows > SMALL_TILE_ROWS
         return lora_expand(
             shrunk,
             self.lora_b,
             out,
             batch.token_ids,
             batch.tiles,
-            self.expand_blocks,
+            self.expand_blocks_large if large else self.expand_blocks,
             tile_rows=batch.tile_rows,
-            block_n=EXPAND_BLOCK_N,
-            num_warps=EXPAND_WARPS,
+            block_n=EXPAND_BLOCK_N_LARGE_TILES if large else EXPAND_BLOCK_N,
+            num_warps=EXPAND_WARPS_LARGE_TILES if large else EXPAND_WARPS,
         )
 
     def _add_by_slot(
