@@ -25,10 +25,9 @@ reduced once at the end. Programs walk their tiles in groups of `GROUP_M` row ti
 column band, so weight tiles stay in L2 while the rows that need them run.
 
 Split-K (`split_k > 1`, for decode-sized calls whose output tiles are too few to fill the
-SMs): each program of a tile stores its float32 partial sum to a workspace and bumps the
-tile's counter (acquire-release); the last to arrive adds the partials in split order
-(the same sum whichever finished last) and resets the counter, so the counters stay zero
-between calls and the kernel stays one launch (CUDA graphs replay it as is).
+SMs): the programs of a tile each sum a share of K, and the last of them to finish adds
+their partial sums in split order (`split_k.py`), so the kernel stays one launch (CUDA
+graphs replay it as is).
 
 Under PDL a program reads its first weight tile before waiting for the previous kernel
 (weights are no kernel's output) and everything else after it.
@@ -55,6 +54,7 @@ from .launch import (
     num_sms,
 )
 from .pdl import launch_options, wait_for_previous_kernel
+from .split_k import store_split_k
 from .w4a16_launch import CUBLAS, W4a16Launch, W4a16Shape, W4a16Table, choose_w4a16_launch
 
 __all__ = [
@@ -260,22 +260,8 @@ def _w4a16_kernel(
             )  # fmt: skip
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_rows = (offs_m[:, None] + pid_k * M).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptr + part_rows, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the counter is bumped
-        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last program of the tile: add the partials in order
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(
-                    part_ptr + rows + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed")
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    store_split_k(acc, y_ptrs, offs, out_mask, part_ptr, lock_ptr, pid, pid_k, M, N, SPLIT_K)
 
 
 @triton.jit
