@@ -14,21 +14,20 @@ The weight layout every int4 checkpoint format is repacked into at load
   are sorted by group at load, so their groups are contiguous and `perm` says where each
   feature came from.
 
-The kernel: each program owns a `BLOCK_M x BLOCK_N` output tile and walks its share of K
-in `BLOCK_K` steps (one scale group per step). A step loads `[BLOCK_K / 8, BLOCK_N]` words,
-splits them into nibbles, turns each into `2**23 + q` in float32 by setting the exponent
-bits (an integer OR, not a conversion instruction), subtracts `2**23 + zero` (exact),
-multiplies by the scale, and either feeds the tile to `tl.dot` (float32 accumulation; the
-weight tile in the activation dtype) or, with `BLOCK_M` 1 (the matrix-vector form of a
-batch-1 decode step), multiplies it by the row elementwise into a float32 accumulator
-reduced once at the end. Programs walk their tiles in groups of `GROUP_M` row tiles per
-column band, so weight tiles stay in L2 while the rows that need them run.
+The tiled form: each program owns a `BLOCK_M x BLOCK_N` output tile and walks its share of
+K in `BLOCK_K` steps (one scale group per step). A step loads `[BLOCK_K / 8, BLOCK_N]`
+words, splits them into nibbles, turns each into `2**23 + q` in float32 by setting the
+exponent bits (an integer OR, not a conversion instruction), subtracts `2**23 + zero`
+(exact), multiplies by the scale and feeds the tile to `tl.dot` (float32 accumulation; the
+weight tile in the activation dtype). Programs walk their tiles in groups of `GROUP_M` row
+tiles per column band, so weight tiles stay in L2 while the rows that need them run.
+`BLOCK_M` 1 is the matrix-vector form of a batch-1 decode step, a kernel of its own
+(`w4a16_gemv.py`: the scale and zero applied per group after the products).
 
 Split-K (`split_k > 1`, for decode-sized calls whose output tiles are too few to fill the
-SMs): each program of a tile stores its float32 partial sum to a workspace and bumps the
-tile's counter (acquire-release); the last to arrive adds the partials in split order
-(the same sum whichever finished last) and resets the counter, so the counters stay zero
-between calls and the kernel stays one launch (CUDA graphs replay it as is).
+SMs): the programs of a tile each sum a share of K, and the last of them to finish adds
+their partial sums in split order (`split_k.py`), so the kernel stays one launch (CUDA
+graphs replay it as is).
 
 Under PDL a program reads its first weight tile before waiting for the previous kernel
 (weights are no kernel's output) and everything else after it.
@@ -55,6 +54,8 @@ from .launch import (
     num_sms,
 )
 from .pdl import launch_options, wait_for_previous_kernel
+from .split_k import store_split_k
+from .w4a16_gemv import launch_w4a16_gemv
 from .w4a16_launch import CUBLAS, W4a16Launch, W4a16Shape, W4a16Table, choose_w4a16_launch
 
 __all__ = [
@@ -141,26 +142,6 @@ def _dequantize(
 
 
 @triton.jit
-def _row_step(
-    acc3,  # [BLOCK_K // 8, 8, BLOCK_N] float32
-    words, k0, x_row, offs_n, n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg, stride_zg,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr, HAS_GIDX: tl.constexpr,
-):  # fmt: skip
-    """One step of the matrix-vector form: the row's features `k0 .. k0 + BLOCK_K` times
-    the dequantized tile, elementwise, into `acc3`."""
-    w = _dequantize(
-        words, k0, offs_n, n_mask, s_ptr, z_ptr, gidx_ptr, stride_sg, stride_zg,
-        GROUP_SIZE, BLOCK_K, HAS_ZEROS, HAS_GIDX,
-    )  # fmt: skip
-    ks = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    if HAS_PERM:
-        ks = tl.load(perm_ptr + ks)
-    xs = tl.load(x_row + ks)  # [BLOCK_K // 8, 8] (x_row: [1, 1] pointer)
-    return acc3 + xs.to(tl.float32)[:, :, None] * w
-
-
-@triton.jit
 def _tile_step(
     acc,  # [BLOCK_M, BLOCK_N] float32
     words, k0, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg,
@@ -213,16 +194,12 @@ def _w4a16_kernel(
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Axis 0: output tiles (rows one at a time when BLOCK_M is 1); axis 1: the split of
-    K, program `pid_k` summing features `[pid_k * K / SPLIT_K, (pid_k + 1) * K / SPLIT_K)`
-    (a multiple of BLOCK_K, itself dividing GROUP_SIZE unless HAS_GIDX)."""
+    """Axis 0: output tiles; axis 1: the split of K, program `pid_k` summing features
+    `[pid_k * K / SPLIT_K, (pid_k + 1) * K / SPLIT_K)` (a multiple of BLOCK_K, itself
+    dividing GROUP_SIZE unless HAS_GIDX)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if BLOCK_M == 1:
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m, pid_n = pid // num_n, pid % num_n
-    else:
-        pid_m, pid_n = _tile_of_program(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_of_program(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -232,50 +209,22 @@ def _w4a16_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
     words = _load_words(qw_ptr, k_start, offs_n, n_mask, stride_qk, BLOCK_K)
     wait_for_previous_kernel(PDL)
-    if BLOCK_M == 1:
-        acc3 = _row_step(
-            tl.zeros([BLOCK_K // 8, 8, BLOCK_N], tl.float32), words, k_start, x_rows, offs_n,
-            n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg, stride_zg,
-            GROUP_SIZE, BLOCK_K, HAS_ZEROS, HAS_PERM, HAS_GIDX,
-        )  # fmt: skip
-        for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
-            words = _load_words(qw_ptr, k0, offs_n, n_mask, stride_qk, BLOCK_K)
-            acc3 = _row_step(
-                acc3, words, k0, x_rows, offs_n, n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr,
-                stride_sg, stride_zg, GROUP_SIZE, BLOCK_K, HAS_ZEROS, HAS_PERM, HAS_GIDX,
-            )  # fmt: skip
-        acc = tl.sum(tl.sum(acc3, axis=0), axis=0)[None, :]  # [1, BLOCK_N]
-    else:
+    acc = _tile_step(
+        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), words, k_start, x_rows, m_mask, offs_n,
+        n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg, stride_zg,
+        GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS, HAS_PERM, HAS_GIDX, DOT_DTYPE,
+    )  # fmt: skip
+    for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
+        words = _load_words(qw_ptr, k0, offs_n, n_mask, stride_qk, BLOCK_K)
         acc = _tile_step(
-            tl.zeros([BLOCK_M, BLOCK_N], tl.float32), words, k_start, x_rows, m_mask, offs_n,
-            n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg, stride_zg,
-            GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS, HAS_PERM, HAS_GIDX, DOT_DTYPE,
+            acc, words, k0, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr,
+            gidx_ptr, stride_sg, stride_zg, GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS,
+            HAS_PERM, HAS_GIDX, DOT_DTYPE,
         )  # fmt: skip
-        for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
-            words = _load_words(qw_ptr, k0, offs_n, n_mask, stride_qk, BLOCK_K)
-            acc = _tile_step(
-                acc, words, k0, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr,
-                gidx_ptr, stride_sg, stride_zg, GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS,
-                HAS_PERM, HAS_GIDX, DOT_DTYPE,
-            )  # fmt: skip
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_rows = (offs_m[:, None] + pid_k * M).to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptr + part_rows, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the counter is bumped
-        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last program of the tile: add the partials in order
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(
-                    part_ptr + rows + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed")
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    store_split_k(acc, y_ptrs, offs, out_mask, part_ptr, lock_ptr, pid, pid_k, M, N, SPLIT_K)
 
 
 @triton.jit
@@ -355,12 +304,21 @@ def fit_launch(
     launch: W4a16Launch, num_k: int, group_size: int, has_g_idx: bool, num_tiles: int
 ) -> W4a16Launch:
     """`launch` made valid for a layer: `block_k` halved until it divides K and the group
-    (steps never straddle a group), the matrix-vector form where a step is below `tl.dot`'s
-    16, `split_k` halved until it divides the steps and the tiles fit the counters."""
+    (a step never straddles a group; in the matrix-vector form, a multiple of the group
+    also fits: whole groups per step), the matrix-vector form where a step is below
+    `tl.dot`'s 16, `split_k` halved until it divides the steps and the tiles fit the
+    counters."""
     if launch.backend == CUBLAS:
         return launch
+
+    def fits(block_k: int) -> bool:
+        if num_k % block_k:
+            return False
+        whole_groups = launch.block_m == 1 and block_k % group_size == 0
+        return has_g_idx or group_size % block_k == 0 or whole_groups
+
     block_k = launch.block_k
-    while block_k > PACK and (num_k % block_k or (not has_g_idx and group_size % block_k)):
+    while block_k > PACK and not fits(block_k):
         block_k //= 2
     block_m = 1 if block_k < 16 else launch.block_m
     split_k = launch.split_k
@@ -433,6 +391,12 @@ def w4a16(
         if locks.numel() < num_tiles:
             raise ValueError(f"locks has {locks.numel()} counters; the call needs {num_tiles}")
         parts = torch.empty((cfg.split_k, num_m, num_n), dtype=torch.float32, device=device)
+    if cfg.block_m == 1:
+        launch_w4a16_gemv(
+            x, qweight, scales, zeros, perm, g_idx, y, parts, locks,
+            group_size=group_size, launch=cfg,
+        )  # fmt: skip
+        return y
     _w4a16_kernel[(num_tiles, cfg.split_k)](
         x, qweight, scales,
         zeros if zeros is not None else qweight,

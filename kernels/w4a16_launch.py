@@ -19,7 +19,8 @@ inputs), its scale group and the activations' dtype, with one launch per bucket 
 A launch is `[block_m, block_n, block_k, split_k, num_warps, num_stages]`, or `"cublas"`:
 dequantize the weight to the activation dtype in one kernel, then multiply with cuBLAS
 (the tuner writes it for the buckets where the device measured that faster). `block_m` 1
-is the matrix-vector form (no `tl.dot`: each program one row). A call of `num_m` rows takes
+is the matrix-vector form (`w4a16_gemv.py`, no `tl.dot`: each program one row). A call of
+`num_m` rows takes
 the smallest bucket `>= num_m` (the largest beyond the last). The choice depends on
 Python integers and names only: no host synchronisation, and under CUDA graphs each
 captured batch size keeps the launch chosen for its padded rows.
@@ -64,12 +65,16 @@ class W4a16Launch(NamedTuple):
     block_n: int
     """Output features per program."""
     block_k: int
-    """Input features per step (at most the scale group: one group per step)."""
+    """Input features per step: in the `tl.dot` form at most the scale group (one group per
+    step); the matrix-vector form also takes whole groups per step."""
     split_k: int
     """Programs sharing one output tile, each over `k / split_k` inputs; the last of them
     to finish adds the partial sums in split order."""
     num_warps: int
     num_stages: int
+    """Software-pipelining stages of the `tl.dot` form. The matrix-vector form loads the
+    next step's weights while it computes a step when this is 2 or more, else each step's
+    when it starts."""
     backend: str = "triton"
     """`triton`, or `cublas` (dequantize, then cuBLAS; the block fields are then unused)."""
 
@@ -119,22 +124,26 @@ def check_launch(launch: W4a16Launch) -> W4a16Launch:
 
 
 def default_launch(num_m: int, num_n: int, num_k: int, num_sms: int, fp32: bool) -> W4a16Launch:
-    """The untuned launch: the matrix-vector form for one row, narrow `tl.dot` tiles with
-    the split over K grown until the programs fill the SMs for decode-sized calls, wide
-    tiles without a split for more rows. Not measured; the table overrides it."""
+    """The untuned launch: the matrix-vector form for one row (128 outputs by 128 features
+    a step: 16 words a thread at 4 warps, the next step's loaded during each), narrow
+    `tl.dot` tiles for up to 64 rows, with the split over K grown until the programs fill
+    the SMs for decode-sized calls; wide tiles without a split for more rows. Not measured;
+    the table overrides it."""
     if num_m > 64:
         block_m = 64 if num_m <= 128 or fp32 else 128
         block_n = 64 if fp32 else 128
         return W4a16Launch(block_m, block_n, 32 if fp32 else 64, 1, 8 if block_m == 128 else 4, 3)
-    block_m = 1 if num_m == 1 else max(16, next_power_of_2(num_m))
-    block_n = 64
-    block_k = 64 if fp32 else 128
+    if num_m == 1:
+        block_m, block_n, block_k, num_stages = 1, 128, 128, 2
+    else:
+        block_m, block_n = max(16, next_power_of_2(num_m)), 64
+        block_k, num_stages = (64 if fp32 else 128), 3
     tiles = (num_m if block_m == 1 else -(-num_m // block_m)) * -(-num_n // block_n)
     split_k = 1
     steps = max(1, num_k // block_k)
     while tiles * split_k * 2 <= _PROGRAMS_PER_SM * num_sms and steps // (split_k * 2) >= 2:
         split_k *= 2
-    return W4a16Launch(block_m, block_n, block_k, split_k, 4, 3)
+    return W4a16Launch(block_m, block_n, block_k, split_k, 4, num_stages)
 
 
 def choose_w4a16_launch(

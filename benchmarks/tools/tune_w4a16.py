@@ -48,17 +48,27 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 TOLERANCE = 1e-2
 
 # (block_m, block_n, block_k, split_k, num_warps, num_stages). One row: the matrix-vector
-# form against narrow tl.dot tiles, split over K until the programs fill the SMs (bound
+# kernel against narrow tl.dot tiles, split over K until the programs fill the SMs (bound
 # by reading the weights). Up to 64 rows: 16- to 64-row tiles, split. More: wide tiles,
 # deep pipelines, the tensor cores' rate (and dequantize + cuBLAS, added to every pool).
+#
+# The matrix-vector kernel (w4a16_gemv.py) holds block_n * block_k / (256 * num_warps)
+# words a thread: 16 or 32 stay in registers, 64 spill. Each thread takes about one word
+# row of a step and many columns, so wider steps share each activation among more
+# weights; num_stages 1 loads a step's weights when the step starts, 2 (or more) one step
+# ahead.
 _ONE_ROW = [
-    *[(1, 32, 128, s, 4, 3) for s in (1, 2, 4, 8)],
-    *[(1, 64, 128, s, 4, 3) for s in (1, 2, 4, 8, 16)],
-    *[(1, 128, 128, s, 4, 3) for s in (1, 2, 4)],
-    *[(1, 64, 64, s, 4, 4) for s in (2, 4, 8)],
-    *[(1, 64, 128, s, 8, 3) for s in (2, 4)],
-    (1, 256, 64, 1, 8, 3),
-    (1, 128, 128, 2, 8, 2),
+    *[(1, 128, 128, s, 4, 2) for s in (1, 2, 4, 8, 16)],
+    *[(1, 256, 128, s, 4, 2) for s in (1, 2, 4, 8, 16)],
+    *[(1, 128, 256, s, 4, 2) for s in (1, 2, 4, 8, 16)],
+    *[(1, 256, 128, s, 8, 2) for s in (2, 4, 8, 16)],
+    *[(1, 512, 128, s, 8, 2) for s in (1, 2, 4, 8)],
+    *[(1, 256, 256, s, 8, 2) for s in (1, 2, 4, 8)],
+    *[(1, 128, 512, s, 8, 2) for s in (1, 2, 4, 8)],
+    *[(1, 64, 1024, s, 8, 2) for s in (1, 2, 4)],
+    *[(1, 64, 128, s, 4, 2) for s in (4, 8, 16)],
+    *[(1, 128, 128, s, 4, 1) for s in (2, 4, 8)],
+    *[(1, 256, 128, s, 8, 1) for s in (2, 4, 8)],
     *[(16, 64, 128, s, 4, 3) for s in (1, 2, 4, 8)],
 ]
 _FEW_ROWS = [

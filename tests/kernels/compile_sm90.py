@@ -47,13 +47,15 @@ class _Recorder:
 def recording(module: Any, *kernel_names: str) -> Iterator[list[_Launch]]:
     """Within the block, the module's kernels record their launches (CPU tensors allowed)."""
     launches: list[_Launch] = []
-    saved = {name: getattr(module, name) for name in (*kernel_names, "check_same_device")}
+    checks = ("check_same_device",) if hasattr(module, "check_same_device") else ()
+    saved = {name: getattr(module, name) for name in (*kernel_names, *checks)}
     try:
         for name in kernel_names:
             recorder = _Recorder(saved[name])
             recorder.launches = launches
             setattr(module, name, recorder)
-        module.check_same_device = lambda kernel, **tensors: next(iter(tensors.values())).device
+        if checks:
+            module.check_same_device = lambda kernel, **tensors: next(iter(tensors.values())).device
         yield launches
     finally:
         for name, value in saved.items():
@@ -119,6 +121,8 @@ def record_all_launches() -> list[_Launch]:
         quant_fp8,
         rms_norm,
         rotary,
+        w4a16,
+        w4a16_gemv,
         write_kv_cache,
     )
 
@@ -202,6 +206,36 @@ def record_all_launches() -> list[_Launch]:
         for n, k in [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 7168), (1000, 900)]:
             gemv.gemv(torch.zeros(1, k, dtype=bf16), torch.zeros(n, k, dtype=bf16))
     launches += got
+    with (
+        recording(w4a16, "_w4a16_kernel") as got,
+        recording(w4a16_gemv, "_w4a16_gemv_kernel") as rows,
+    ):
+        # W3-int4's gate|up (GPTQ g128) at one row (the matrix-vector kernel, untuned and
+        # with whole groups per step, weights loaded when each step starts) and at 16;
+        # zero points, activation order and groups given per feature at one row.
+        u8, i32 = torch.uint8, torch.int32
+        cases = [  # rows, n, k, group, dtype, zeros, perm, g_idx, launch
+            (1, 28672, 4096, 128, bf16, False, False, False, {}),
+            (1, 28672, 4096, 128, bf16, False, False, False,
+             dict(block_k=512, num_warps=8, num_stages=1)),
+            (16, 28672, 4096, 128, bf16, False, False, False, {}),
+            (1, 4096, 14336, 32, f16, True, True, False, {}),
+            (1, 1000, 1024, 64, f32, True, True, True, dict(split_k=2)),
+        ]  # fmt: skip
+        for rows_, n, k, group, dtype, zeros, perm, g_idx, launch in cases:
+            groups = k // group
+            w4a16.w4a16(
+                torch.zeros(rows_, k, dtype=dtype),
+                torch.zeros(k // 8, n, dtype=i32),
+                torch.zeros(groups, n, dtype=dtype),
+                torch.zeros(groups, n, dtype=u8) if zeros else None,
+                group_size=group,
+                perm=torch.zeros(k, dtype=i32) if perm else None,
+                g_idx=torch.zeros(k, dtype=i32) if g_idx else None,
+                locks=w4a16.new_split_k_locks(torch.device("cpu")),
+                **launch,
+            )
+    launches += got + rows
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
         quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
     launches += got
