@@ -175,28 +175,37 @@ def _generation_stream(
     done: dict[int, pa.Table] = {}  # position in `order` -> result
     next_out = 0
     is_exhausted = False
-    unfreeze = freeze_gc_heap()  # see batchlm.engine.gc_freeze
     try:
         while True:
-            while not is_exhausted and stream.num_rows_in_engine < rows_in_flight:
-                item = next(batches, None)
-                if item is None:
-                    is_exhausted = True
-                    break
-                key, table = item
-                order.append(key)
-                finished = stream.admit(len(order) - 1, table)
-                if finished is not None:
-                    done[len(order) - 1] = finished.result()
-            while next_out in done:
-                yield order[next_out], done.pop(next_out)
-                next_out += 1
-            if next_out == len(order) and is_exhausted:
+            # The heap is frozen while the engine runs (see batchlm.engine.gc_freeze) and
+            # thawed before each yield: a caller that stops iterating, or drops the
+            # iterator in a reference cycle, never leaves its process's heap frozen.
+            unfreeze = freeze_gc_heap()
+            try:
+                while not is_exhausted and stream.num_rows_in_engine < rows_in_flight:
+                    item = next(batches, None)
+                    if item is None:
+                        is_exhausted = True
+                        break
+                    key, table = item
+                    order.append(key)
+                    finished = stream.admit(len(order) - 1, table)
+                    if finished is not None:
+                        done[len(order) - 1] = finished.result()
+                ready = []
+                while next_out in done:
+                    ready.append((order[next_out], done.pop(next_out)))
+                    next_out += 1
+                is_done = next_out == len(order) and is_exhausted
+                if not ready and not is_done:
+                    for finished in stream.step():
+                        done[finished.key] = finished.result()  # type: ignore[index]
+            finally:
+                unfreeze()
+            yield from ready
+            if is_done:
                 return
-            for finished in stream.step():
-                done[finished.key] = finished.result()  # type: ignore[index]
     finally:
-        unfreeze()
         stream.abort()
 
 

@@ -3,6 +3,8 @@ order and equal to direct `LLM` calls over the same rows."""
 
 from __future__ import annotations
 
+import gc
+
 import pyarrow as pa
 import pytest
 import torch
@@ -83,6 +85,33 @@ def test_stopping_early_leaves_no_request_in_the_engine(smollm2):
     assert not smollm2.llm_engine.has_unfinished_requests()
     kv = smollm2.llm_engine.kv_cache
     assert kv.num_free_blocks == smollm2.llm_engine.num_kv_blocks
+
+
+def test_the_heap_is_thawed_between_batches(smollm2):
+    """The engine's runs freeze the heap; a caller holding the iterator between batches (or
+    dropping it without closing it) finds nothing frozen."""
+    spec = RowSpec(task="generate", sampling_params={"temperature": 0, "max_tokens": 8})
+    table = pa.table({"prompt": QUESTIONS[:4]})
+    stream = stream_tables(smollm2, spec, _slices(table, 1), rows_in_flight=2)
+    frozen_during = []
+    real_step = smollm2.llm_engine.step
+
+    def step():
+        frozen_during.append(gc.get_freeze_count())
+        return real_step()
+
+    smollm2.llm_engine.step = step
+    try:
+        next(stream)
+        assert gc.get_freeze_count() == 0
+        next(stream)
+        assert gc.get_freeze_count() == 0
+        assert frozen_during and all(n > 0 for n in frozen_during)
+        del stream  # dropped, not closed
+        assert gc.get_freeze_count() == 0
+    finally:
+        del smollm2.llm_engine.step
+    assert not smollm2.llm_engine.has_unfinished_requests()
 
 
 def test_pooling_batches_merge_into_large_calls(monkeypatch):
