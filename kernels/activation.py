@@ -13,9 +13,17 @@ import triton.language as tl
 from .launch import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, next_power_of_2
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_mul"]
 
 _BLOCK = 1024
+
+
+@triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """`silu(gate) * up` in `dtype` from float32 `gate` and `up`, rounded as the PyTorch
+    layer rounds (silu to `dtype` first, then the product)."""
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
 
 
 @triton.jit
@@ -34,8 +42,8 @@ def _silu_and_mul_kernel(
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = silu_mul(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

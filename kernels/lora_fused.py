@@ -12,6 +12,11 @@ rows' slots are no kernel's output, and `x` is the input of that matmul, whose p
 signal only after their own wait, so `x`'s producer has completed once this kernel is
 placed. The shrink thereby overlaps the matmul.
 
+Given `partials` (one-slice layers whose input came from `lora_act_shrink`), the kernel adds
+up the shrink's sums that the producer of `x` stored per column block of `x`, in block order,
+and reads neither `x` nor `A`; it reads the partials before its wait, for the reason it may
+read `x` there.
+
 Rows are read by their slot in `token_slots` (negative: no adapter, left alone); the sums are
 rounded to the adapter's dtype before the expand, as the two-kernel path does
 (`lora_shrink` + `lora_expand`, whose references are this kernel's too).
@@ -46,9 +51,11 @@ def _lora_fused_kernel(
     out_ptr,  # [M, N], rows stride_om apart
     token_slots_ptr,  # [M] int32, negative: no adapter
     col_blocks_ptr,  # [C, 3] int32: slice, first column, end of the slice
+    part_ptr,  # [P, M, BLOCK_R] float32 partial sums of the shrink (PRESHRUNK)
     M,
     K,
     R,
+    P,
     stride_xm,
     stride_al,
     stride_as,
@@ -60,6 +67,8 @@ def _lora_fused_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PRESHRUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -75,22 +84,38 @@ def _lora_fused_kernel(
     slot = tl.where(active, slots, 0).to(tl.int64)
     r_mask = offs_r < R
     n_mask = offs_n < n_end
-    # [BLOCK_M, BLOCK_R, 1] rows of each row's A
-    a_rows = (
-        a_ptr + slot[:, None, None] * stride_al + s * stride_as + offs_r[None, :, None] * stride_ar
-    )
-    a_mask = active[:, None, None] & r_mask[None, :, None]
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    # Products summed elementwise over the K steps and reduced across the tile once at the
-    # end: a reduction per step would put a cross-thread exchange on every load's path.
-    partial = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        a = tl.load(a_rows + ks[None, None, :], mask=a_mask & k_mask[None, None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=active[:, None] & k_mask[None, :], other=0.0)
-        partial += a.to(tl.float32) * x.to(tl.float32)[:, None, :]
-    shrunk = tl.sum(partial, axis=2).to(b_ptr.dtype.element_ty).to(tl.float32)
+    if PRESHRUNK:  # the producer of x stored the shrink's sums per column block of x
+        offs_p = tl.arange(0, BLOCK_P)
+        parts = tl.load(
+            part_ptr
+            + (offs_p[:, None, None] * M + offs_m[None, :, None]) * BLOCK_R
+            + offs_r[None, None, :],
+            mask=(offs_p < P)[:, None, None] & (offs_m < M)[None, :, None],
+            other=0.0,
+        )  # [BLOCK_P, BLOCK_M, BLOCK_R]
+        summed = tl.sum(parts, axis=0)
+    else:
+        # [BLOCK_M, BLOCK_R, 1] rows of each row's A
+        a_rows = (
+            a_ptr
+            + slot[:, None, None] * stride_al
+            + s * stride_as
+            + offs_r[None, :, None] * stride_ar
+        )
+        a_mask = active[:, None, None] & r_mask[None, :, None]
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        # Products summed elementwise over the K steps and reduced across the tile once at
+        # the end: a reduction per step would put a cross-thread exchange on every load's
+        # path.
+        partial = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < K
+            a = tl.load(a_rows + ks[None, None, :], mask=a_mask & k_mask[None, None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=active[:, None] & k_mask[None, :], other=0.0)
+            partial += a.to(tl.float32) * x.to(tl.float32)[:, None, :]
+        summed = tl.sum(partial, axis=2)
+    shrunk = summed.to(b_ptr.dtype.element_ty).to(tl.float32)
     b_tile = (
         b_ptr
         + slot[:, None, None] * stride_bl
@@ -118,6 +143,7 @@ def lora_fused(
     block_n: int,
     block_k: int = 512,
     num_warps: int = 8,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add each row's `(x · A[slot]ᵀ) · B[slot]ᵀ` into `out` in place, per slice.
 
@@ -132,6 +158,9 @@ def lora_fused(
         block_k: K elements per loaded tile at one row, halved each time the rows double
             (the products of every row, rank and element are held until the end).
         num_warps: Warps per program.
+        partials: `[P, M, block_r]` float32 sums of the shrink by column blocks of `x`
+            (`lora_act_shrink.silu_and_mul_lora_shrink`), added up instead of reading `A`
+            (one-slice layers only); None: the kernel does the shrink.
 
     Returns:
         `out`.
@@ -153,6 +182,13 @@ def lora_fused(
     check_tensor("col_blocks", col_blocks, ndim=2, dtypes=(torch.int32,), shape={1: 3})
     check_power_of_2("block_n", block_n, 16, 512, "output columns per program")
     check_power_of_2("block_k", block_k, 16, 1024, "K elements per tile")
+    block_r = max(16, next_power_of_2(num_r))
+    if partials is not None:
+        check_tensor(
+            "partials", partials, ndim=3, dtypes=(torch.float32,), shape={1: num_m, 2: block_r}
+        )
+        if num_s != 1:
+            raise ValueError(f"partials are for one-slice layers, lora_a has {num_s} slices")
     check_same_device(
         _lora_fused_kernel, x=x, lora_a=lora_a, lora_b=lora_b, out=out, slots=token_slots
     )
@@ -165,9 +201,11 @@ def lora_fused(
         out,
         token_slots,
         col_blocks,
+        partials if partials is not None else x,
         num_m,
         num_k,
         num_r,
+        partials.shape[0] if partials is not None else 0,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
@@ -177,8 +215,10 @@ def lora_fused(
         out.stride(0),
         BLOCK_M=next_power_of_2(num_m),
         BLOCK_N=block_n,
-        BLOCK_R=max(16, next_power_of_2(num_r)),
+        BLOCK_R=block_r,
         BLOCK_K=max(16, block_k // next_power_of_2(num_m)),
+        BLOCK_P=next_power_of_2(partials.shape[0]) if partials is not None else 1,
+        PRESHRUNK=partials is not None,
         num_warps=num_warps,
         **launch_options(_lora_fused_kernel, x.device),
     )

@@ -1,7 +1,10 @@
 """The LoRA kernels on the Llama-3.1-8B projections, bf16, 16 rank-16 adapter slots: each
 projection's base matmul alone against the matmul followed by its LoRA launches (one fused
 kernel at <= 4 rows; shrink + expand above, rows round-robin over the 16 adapters), as the
-layer runs them, in microseconds per call.
+layer runs them, in microseconds per call. At <= 4 rows `down_proj`'s input is made by the
+SiLU-and-mul from a `[rows, 2 * 14336]` gate|up output, which does the adapter's shrink on
+the way (`kernels/lora_act_shrink.py`): its base is that activation and the matmul, its LoRA
+launches the activation with the shrink and the fused kernel adding up the partials.
 
 Each measurement replays a CUDA graph of back-to-back calls cycling over enough copies of
 the base weight and of the adapter slots (>= 512 MiB) that none is served from L2, as in a
@@ -28,6 +31,8 @@ import torch
 
 from batchlm.engine.lora.batch import SMALL_TILE_ROWS, LoRABuffers
 from batchlm.engine.lora.layers import (
+    ACT_SHRINK_BLOCK,
+    ACT_SHRINK_WARPS,
     EXPAND_BLOCK_N,
     EXPAND_BLOCK_N_LARGE_TILES,
     EXPAND_WARPS,
@@ -39,7 +44,9 @@ from batchlm.engine.lora.layers import (
     SHRINK_WARPS,
 )
 from batchlm.engine.models.layers.linear import linear
+from batchlm.kernels.activation import silu_and_mul
 from batchlm.kernels.launch import num_sms
+from batchlm.kernels.lora_act_shrink import silu_and_mul_lora_shrink
 from batchlm.kernels.lora_expand import column_blocks, lora_expand
 from batchlm.kernels.lora_fused import lora_fused, lora_fused_ref
 from batchlm.kernels.lora_shrink import choose_split_k, lora_shrink
@@ -89,6 +96,8 @@ LAUNCH_DEFAULTS = dict(
     split_scale=1,
     expand_block_n=EXPAND_BLOCK_N,
     expand_warps=EXPAND_WARPS,
+    act_block=ACT_SHRINK_BLOCK,
+    act_warps=ACT_SHRINK_WARPS,
 )
 """The engine's launches (`engine/lora/layers.py`); `--sweep` varies them one group at a
 time. `split_scale` multiplies the split over K that `choose_split_k` picks."""
@@ -113,6 +122,7 @@ SWEEP = {
     ),
     "shrink": dict(shrink_block_k=[32, 64, 128], shrink_warps=[4, 8], split_scale=[0.5, 1, 2]),
     "expand": dict(expand_block_n=[64, 128, 256, 512], expand_warps=[4, 8]),
+    "act": dict(act_block=[128, 256, 512, 1024, 2048], act_warps=[2, 4, 8]),
 }
 
 
@@ -141,14 +151,21 @@ class Projection:
             torch.randn(NUM_SLOTS, n, RANK, device=dev, generator=gen).to(dtype) * 0.01
             for _ in range(self.copies)
         ]
-        self.x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
         buffers = LoRABuffers(max(rows, 16), NUM_SLOTS, dev)
         self.batch = buffers.stage((np.arange(rows) % NUM_SLOTS).astype(np.int32))
+        self.folded = name == "down_proj" and self.batch.fused
+        """The activation makes `x` (and does the shrink)."""
+        if self.folded:
+            self.gate_up = torch.randn(rows, 2 * k, device=dev, dtype=dtype, generator=gen)
+            self.x = silu_and_mul(self.gate_up)
+        else:
+            self.x = torch.randn(rows, k, device=dev, dtype=dtype, generator=gen)
         self.outs = [torch.empty(rows, n, device=dev, dtype=dtype) for _ in range(2)]
         self.base_us = graph_us(self.base, self.copies)
 
     def base(self, i):
-        self.outs[i % 2] = linear(self.x, self.weights[i])
+        x = silu_and_mul(self.gate_up) if self.folded else self.x
+        self.outs[i % 2] = linear(x, self.weights[i])
         return self.outs[i % 2]
 
     def split_k(self, launch: dict) -> int:
@@ -169,11 +186,19 @@ class Projection:
         split_k = self.split_k(launch)
 
         def run(i):
-            out = self.base(i)
+            if not self.folded:
+                out, partials = self.base(i), None
+            else:
+                x, partials = silu_and_mul_lora_shrink(
+                    self.gate_up, self.lora_a[i], batch.token_slots,
+                    block=launch["act_block"], num_warps=launch["act_warps"],
+                )  # fmt: skip
+                out = self.outs[i % 2] = linear(x, self.weights[i])
             if fused:
                 lora_fused(self.x, self.lora_a[i], self.lora_b[i], out, batch.token_slots,
                            fused_blocks, block_n=launch["fused_block_n"],
-                           block_k=launch["fused_block_k"], num_warps=launch["fused_warps"])  # fmt: skip
+                           block_k=launch["fused_block_k"], num_warps=launch["fused_warps"],
+                           partials=partials)  # fmt: skip
             else:
                 shrunk = lora_shrink(self.x, self.lora_a[i], batch.token_ids, batch.tiles,
                                      tile_rows=batch.tile_rows, split_k=split_k,
@@ -212,7 +237,7 @@ def bench(name: str, rows: int, rec) -> dict:
         workload="lora-kernels",
         projection=name,
         rows=rows,
-        path="fused"
+        path=("activation shrink + fused" if proj.folded else "fused")
         if fused
         else f"shrink+expand (tile_rows {proj.batch.tile_rows}, split_k {split_k})",
         launches=1 if fused else 2,
@@ -234,6 +259,8 @@ def sweep(name: str, rows: int, rec) -> None:
     record per launch, the best of each group last."""
     proj = Projection(name, rows)
     groups = ["fused"] if proj.batch.fused else ["shrink", "expand"]
+    if proj.folded:
+        groups.append("act")
     launch = launch_defaults(proj.batch.tile_rows)
     for group in groups:
         fields = SWEEP[group]

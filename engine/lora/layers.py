@@ -3,7 +3,9 @@ output (`Linear.lora`), whatever computed the output (full precision, fp8, int8)
 
 Per adapted layer and step: on CUDA, one fused kernel when the step has at most
 `FUSED_MAX_ROWS` rows, else a shrink and an expand (two launches, each covering all of the
-layer's slices); on the CPU the same sums in PyTorch, slot by slot (each slot's rows
+layer's slices). At those few rows a projection after a SiLU-and-mul (`down_proj`) has its
+shrink done by the activation's kernel (`activation`), so its fused kernel only adds up
+partial sums and expands. On the CPU the same sums in PyTorch, slot by slot (each slot's rows
 found once per step, `LoRABatch.groups`). Nothing runs for a step without
 adapters. The weights are views of the manager's slot buffer, so loading an adapter into a
 slot changes what every captured CUDA graph reads, and nothing else.
@@ -15,6 +17,7 @@ import torch
 
 from batchlm.kernels import use_triton_kernels
 from batchlm.kernels.launch import num_sms
+from batchlm.kernels.lora_act_shrink import silu_and_mul_lora_shrink
 from batchlm.kernels.lora_expand import column_blocks, lora_expand, lora_expand_ref
 from batchlm.kernels.lora_fused import lora_fused
 from batchlm.kernels.lora_shrink import choose_split_k, lora_shrink, lora_shrink_ref
@@ -35,6 +38,10 @@ EXPAND_WARPS_LARGE_TILES = 4
 FUSED_BLOCK_N = 256
 FUSED_BLOCK_K = 1024
 FUSED_WARPS = 4
+ACT_SHRINK_BLOCK = 512
+"""Columns per program of the activation that does `down_proj`'s shrink (28 programs at
+Llama-3.1-8B's 14,336): not measured yet."""
+ACT_SHRINK_WARPS = 4
 
 
 class LinearLoRA:
@@ -62,6 +69,32 @@ class LinearLoRA:
             self.slice_starts, EXPAND_BLOCK_N_LARGE_TILES, device
         )
         self.fused_blocks = column_blocks(self.slice_starts, FUSED_BLOCK_N, device)
+        self._folded: tuple[torch.Tensor, torch.Tensor] | None = None
+        """`(x, partials)` from `activation`, until this layer's call on that `x`."""
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`silu(gate) * up` with this layer's shrink of it done on the way, when this
+        layer's input is that product and the step runs the fused kernel; None otherwise
+        (the caller computes the activation itself)."""
+        batch = self.state.batch
+        if (
+            batch is None
+            or not batch.fused
+            or self.num_slices != 1
+            or gate_up.dim() != 2
+            or gate_up.shape[0] != batch.num_tokens
+            or not use_triton_kernels(gate_up)
+        ):
+            return None
+        out, partials = silu_and_mul_lora_shrink(
+            gate_up,
+            self.lora_a,
+            batch.token_slots,
+            block=ACT_SHRINK_BLOCK,
+            num_warps=ACT_SHRINK_WARPS,
+        )
+        self._folded = (out, partials)
+        return out
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add the step's adapters' `x · Aᵀ · Bᵀ` into `out` (`[n, out]`, in place) for
@@ -78,6 +111,7 @@ class LinearLoRA:
                 return self._add_by_slot(x, out, batch.groups)
             shrunk = lora_shrink_ref(x, self.lora_a, batch.token_slots)
             return lora_expand_ref(shrunk, self.lora_b, out, batch.token_slots, self.slice_starts)
+        folded, self._folded = self._folded, None
         if batch.fused:
             return lora_fused(
                 x,
@@ -89,6 +123,7 @@ class LinearLoRA:
                 block_n=FUSED_BLOCK_N,
                 block_k=FUSED_BLOCK_K,
                 num_warps=FUSED_WARPS,
+                partials=folded[1] if folded is not None and folded[0] is x else None,
             )
         split_k = choose_split_k(
             batch.tiles.shape[0],

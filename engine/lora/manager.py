@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import LoRAConfig
+from ..models.layers.activation import SiluAndMul
 from .batch import LoRABatch, LoRABuffers, LoRAStepState
 from .cache import AdapterCache, SlotTable
 from .layers import LinearLoRA
@@ -61,6 +62,10 @@ class LoRAManager:
         for path, target in self.layout.targets.items():
             lora_a, lora_b = self.layout.views(target, self.weights)
             self.layout.modules[path].lora = LinearLoRA(self.state, target, lora_a, lora_b)
+        for module in model.modules():  # an MLP: its activation starts down_proj's shrink
+            act, down = getattr(module, "act", None), getattr(module, "down_proj", None)
+            if isinstance(act, SiluAndMul) and getattr(down, "lora", None) is not None:
+                act.fold = down.lora.activation
         self.cache = AdapterCache(config.max_cpu_loras, self._read, pin=device.type == "cuda")
         self.slots = SlotTable(config.max_loras)
         self.buffers = LoRABuffers(max_num_tokens, config.max_loras, device)

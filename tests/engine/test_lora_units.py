@@ -4,6 +4,8 @@ admission by adapter (exact), and block hashes per adapter."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +187,59 @@ def test_block_hashes_differ_by_adapter():
         kv.get_computed_blocks(request)
         hashes.append(request.block_hashes[0])
     assert len(set(hashes[:3])) == 3 and hashes[3] == hashes[1]
+
+
+# ---- the layers --------------------------------------------------------------------------------
+
+
+def test_down_proj_shrink_is_done_by_the_activation_at_few_rows(monkeypatch):
+    """An MLP's `act → down_proj` on a fused step (the CUDA path, run here through Triton's
+    interpreter): the activation hands down_proj's LoRA its shrink's partial sums, the fused
+    kernel takes them, and the output equals the PyTorch path slot by slot."""
+    import batchlm.engine.lora.layers as lora_layers
+    import batchlm.engine.models.layers.activation as activation_layers
+    from batchlm.engine.lora.batch import LoRABatch, LoRAStepState
+    from batchlm.engine.lora.layers import LinearLoRA
+    from batchlm.engine.models.layers.activation import SiluAndMul
+    from batchlm.engine.models.layers.linear import Linear
+
+    d, hidden, rank = 96, 40, 8
+    gen = torch.Generator().manual_seed(0)
+    down = Linear(d, hidden, bias=False)
+    down.weight.data = torch.randn(hidden, d, generator=gen) / d**0.5
+    lora_a = torch.randn(2, 1, rank, d, generator=gen) / d**0.5
+    lora_b = torch.randn(2, hidden, rank, generator=gen)
+    target = types.SimpleNamespace(slice_starts=[0, hidden], num_slices=1, in_features=d)
+    state = LoRAStepState()
+    down.lora = LinearLoRA(state, target, lora_a, lora_b)
+    act = SiluAndMul()
+    act.fold = down.lora.activation
+    gate_up = torch.randn(3, 2 * d, generator=gen) * 2
+    slots = torch.tensor([1, -1, 0], dtype=torch.int32)
+    fused = LoRABatch(3, slots, slots, torch.zeros(0, 3, dtype=torch.int32), 16, fused=True)
+    cpu = LoRABatch(
+        3, slots, slots, torch.zeros(0, 3, dtype=torch.int32), 16, fused=False,
+        groups=((0, torch.tensor([2])), (1, torch.tensor([0]))),
+    )  # fmt: skip
+
+    with state.running(cpu):
+        expected = down(act(gate_up))
+    took = []
+
+    def spy(*args, partials=None, **kwargs):
+        took.append(partials)
+        return lora_fused(*args, partials=partials, **kwargs)
+
+    lora_fused = lora_layers.lora_fused
+    monkeypatch.setattr(lora_layers, "lora_fused", spy)
+    monkeypatch.setattr(lora_layers, "ACT_SHRINK_BLOCK", 32)  # three column blocks
+    for module in (lora_layers, activation_layers):
+        monkeypatch.setattr(module, "use_triton_kernels", lambda x: True)
+    with state.running(fused):
+        got = down(act(gate_up))
+    assert len(took) == 1 and took[0] is not None and took[0].shape == (3, 3, 16)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got[0], (act(gate_up) @ down.weight.T)[0])  # the adapter counted
+    with state.running(fused):  # an input that is not the folded activation: A read again
+        down(act(gate_up).clone())
+    assert len(took) == 2 and took[1] is None

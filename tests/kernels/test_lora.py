@@ -9,6 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from batchlm.kernels.activation import silu_and_mul
+from batchlm.kernels.lora_act_shrink import (
+    silu_and_mul_lora_shrink,
+    silu_and_mul_lora_shrink_ref,
+)
 from batchlm.kernels.lora_expand import column_blocks, lora_expand, lora_expand_ref
 from batchlm.kernels.lora_fused import FUSED_MAX_ROWS, lora_fused, lora_fused_ref
 from batchlm.kernels.lora_shrink import (
@@ -18,7 +23,7 @@ from batchlm.kernels.lora_shrink import (
     slot_tiles,
 )
 
-from .helpers import gpu_only
+from .helpers import ELEMENTWISE_TOLERANCE, assert_close, gpu_only
 
 # The expand adds a float32 sum into a 16-bit output (one rounding), from shrink sums rounded
 # to the adapter's dtype: one or two units in the last place of the output.
@@ -143,6 +148,38 @@ def test_fused_kernel_matches_the_two_kernel_reference(dtype, num_m, device):
         assert not torch.equal(out[slots >= 0], before[slots >= 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_m", [1, FUSED_MAX_ROWS])
+def test_shrink_folded_into_the_activation_matches_the_reference(dtype, num_m, device):
+    # down_proj after SiLU-and-mul: the activation stores the shrink's sums per column block
+    # (the last block ragged), and the fused kernel adds them up instead of reading A.
+    d, num_n, rank = 200, 48, 8
+    a, b = make_slots(2, [num_n], rank, d, [8, 3], dtype, device)
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(num_m, 2 * d, generator=gen) * 3).to(dtype).to(device)
+    slots = torch.tensor([1, -1, 0, 1][:num_m], dtype=torch.int32, device=device)
+    act, partials = silu_and_mul_lora_shrink(gate_up, a, slots, block=64)
+    expected_act, _ = silu_and_mul_lora_shrink_ref(gate_up, a, slots)
+    expected_shrunk = lora_shrink_ref(act, a, slots)  # of the kernel's own activation
+    assert partials.shape == (4, num_m, 16)  # 200 columns in blocks of 64, rank 8 padded
+    assert torch.equal(act, silu_and_mul(gate_up))  # the activation kernel's bits
+    assert_close(act, expected_act, ELEMENTWISE_TOLERANCE)
+    torch.testing.assert_close(
+        partials.sum(0)[:, :rank], expected_shrunk[:, 0], atol=1e-4, rtol=1e-4
+    )
+    assert not partials[:, :, rank:].any() and not partials[:, slots < 0].any()
+
+    out = torch.randn(num_m, num_n, generator=gen).to(dtype).to(device)
+    before = out.clone()
+    expected = lora_fused_ref(act, a, b, out.clone(), slots, [0, num_n])
+    blocks = column_blocks([0, num_n], 32, device)
+    lora_fused(act, a, b, out, slots, blocks, block_n=32, block_k=32, partials=partials)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    assert torch.equal(out[slots < 0], before[slots < 0])
+    assert not torch.equal(out[slots >= 0], before[slots >= 0])
+
+
 def test_no_adapted_row_leaves_the_output_alone(device):
     a, b = make_slots(2, [32], 16, 32, [16, 16], torch.float32, device)
     x = torch.randn(3, 32, device=device)
@@ -170,3 +207,31 @@ def test_launchers_name_bad_arguments(device):
         lora_shrink(torch.randn(5, 48, device=device), a, slots, table, tile_rows=16)
     with pytest.raises(ValueError, match="tile_rows=12"):
         lora_shrink(x, a, slots, table, tile_rows=12)
+    with pytest.raises(ValueError, match="takes at most 4 rows, x has 5"):
+        silu_and_mul_lora_shrink(torch.randn(5, 64, device=device), a, slots)
+    merged_a, merged_b = make_slots(2, [16, 16], 16, 32, [16, 16], torch.float32, device)
+    parts = torch.zeros(1, 2, 16, device=device)
+    with pytest.raises(ValueError, match="lora_a has size 2 in dimension 1"):
+        silu_and_mul_lora_shrink(torch.randn(2, 64, device=device), merged_a, slots[:2])
+    with pytest.raises(ValueError, match="one-slice layers, lora_a has 2 slices"):
+        lora_fused(
+            x[:2],
+            merged_a,
+            merged_b,
+            torch.zeros(2, 32, device=device),
+            slots[:2],
+            column_blocks([0, 16, 32], 16, device),
+            block_n=16,
+            partials=parts,
+        )
+    with pytest.raises(ValueError, match="partials has size 3 in dimension 1"):
+        lora_fused(
+            x[:2],
+            a,
+            b,
+            torch.zeros(2, 32, device=device),
+            slots[:2],
+            blocks,
+            block_n=16,
+            partials=torch.zeros(1, 3, 16, device=device),
+        )
