@@ -254,13 +254,14 @@ def bench(name: str, rows: int, rec) -> dict:
     return record
 
 
-def sweep(name: str, rows: int, rec) -> None:
+def sweep(name: str, rows: int, rec, only: list[str] | None = None) -> None:
     """Each group of launch fields over its values (the others at the engine's), one
-    record per launch, the best of each group last."""
+    record per launch, the best of each group last; `only`: those groups alone."""
     proj = Projection(name, rows)
     groups = ["fused"] if proj.batch.fused else ["shrink", "expand"]
     if proj.folded:
         groups.append("act")
+    groups = [g for g in groups if not only or g in only]
     launch = launch_defaults(proj.batch.tile_rows)
     for group in groups:
         fields = SWEEP[group]
@@ -286,6 +287,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, action="append", help="default: 1 and 256")
     ap.add_argument("--projection", action="append", choices=list(PROJECTIONS))
     ap.add_argument("--sweep", action="store_true", help="time each launch in SWEEP instead")
+    ap.add_argument("--group", action="append", choices=list(SWEEP), help="sweep these alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -298,7 +300,7 @@ def main() -> int:
     if args.sweep:
         for rows in args.rows or [1, 256]:
             for name in args.projection or PROJECTIONS:
-                sweep(name, rows, lambda r: recorder.record(**r))
+                sweep(name, rows, lambda r: recorder.record(**r), args.group)
         print(json.dumps({"done": True}))
         return 0
     for rows in args.rows or [1, 256]:

@@ -77,12 +77,12 @@ def test_each_format_against_its_dequantized_weights(name, dtype, gpu_int4_model
     quantized, reference = gpu_int4_model(name)
     batch = prompts(1, [1, 7, 30, 64, 150, 300])  # one-row, split-K and wide launches
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-    llm = gpu_engine(quantized, dtype)
+    llm = gpu_engine(quantized, dtype, enforce_eager=True)  # graphs: the test below
     layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
     assert layer.quant_method is not None and layer.qweight.dtype == torch.int32
     got = llm.generate(batch, params, use_tqdm=False)
     free(llm)
-    ref = gpu_engine(reference, dtype)
+    ref = gpu_engine(reference, dtype, enforce_eager=True)
     want = ref.generate(batch, params, use_tqdm=False)
     free(ref)
     assert_same_greedy(got, want, dtype)
