@@ -24,6 +24,16 @@ tiles per column band, so weight tiles stay in L2 while the rows that need them 
 `BLOCK_M` 1 is the matrix-vector form of a batch-1 decode step, a kernel of its own
 (`w4a16_gemv.py`: the scale and zero applied per group after the products).
 
+With `SWAP_AB` (the launch's `swap_ab`) the same steps multiply the other way round: the
+weight tile transposed, `[BLOCK_N, BLOCK_K]`, is the dot's first operand and the
+activations transposed, `[BLOCK_K, BLOCK_M]`, its second, into a `[BLOCK_N, BLOCK_M]`
+accumulator stored transposed. On Hopper wgmma reads its first operand from registers and
+its second from shared memory, and its M is at least 64 per warpgroup: the outputs fill M
+and 16 to 64 rows fit its N, where activation-first tiles of fewer than 64 rows compile to
+the older mma.sync. The dequantized tile still passes through shared memory once (Triton
+keeps a computed operand in registers only when it comes from a load by elementwise
+upcasts), now read back into wgmma's register layout instead of read by wgmma itself.
+
 Split-K (`split_k > 1`, for decode-sized calls whose output tiles are too few to fill the
 SMs): the programs of a tile each sum a share of K, and the last of them to finish adds
 their partial sums in split order (`split_k.py`), so the kernel stays one launch (CUDA
@@ -143,14 +153,15 @@ def _dequantize(
 
 @triton.jit
 def _tile_step(
-    acc,  # [BLOCK_M, BLOCK_N] float32
+    acc,  # [BLOCK_M, BLOCK_N] float32, or [BLOCK_N, BLOCK_M] with SWAP_AB
     words, k0, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg,
     stride_zg, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_GIDX: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
-    """One step of the tiled form: `[BLOCK_M, BLOCK_K]` activations times the dequantized
-    `[BLOCK_K, BLOCK_N]` tile (in the dot dtype), accumulated in float32."""
+    """One step of the tiled form, accumulated in float32: `[BLOCK_M, BLOCK_K]` activations
+    times the dequantized `[BLOCK_K, BLOCK_N]` tile (in the dot dtype), or with SWAP_AB the
+    tile transposed first, `[BLOCK_N, BLOCK_K]` times the activations transposed."""
     w = _dequantize(
         words, k0, offs_n, n_mask, s_ptr, z_ptr, gidx_ptr, stride_sg, stride_zg,
         GROUP_SIZE, BLOCK_K, HAS_ZEROS, HAS_GIDX,
@@ -159,8 +170,12 @@ def _tile_step(
     ks = k0 + tl.arange(0, BLOCK_K)
     if HAS_PERM:
         ks = tl.load(perm_ptr + ks)
-    xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0)
-    return tl.dot(xs.to(DOT_DTYPE), w, acc, input_precision="ieee")
+    xs = tl.load(x_rows + ks[None, :], mask=m_mask[:, None], other=0.0).to(DOT_DTYPE)
+    if SWAP_AB:
+        acc = tl.dot(tl.trans(w), tl.trans(xs), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xs, w, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -192,6 +207,7 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Axis 0: output tiles; axis 1: the split of K, program `pid_k` summing features
@@ -209,18 +225,24 @@ def _w4a16_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
     words = _load_words(qw_ptr, k_start, offs_n, n_mask, stride_qk, BLOCK_K)
     wait_for_previous_kernel(PDL)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = _tile_step(
-        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), words, k_start, x_rows, m_mask, offs_n,
-        n_mask, s_ptr, z_ptr, perm_ptr, gidx_ptr, stride_sg, stride_zg,
-        GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS, HAS_PERM, HAS_GIDX, DOT_DTYPE,
+        acc, words, k_start, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr,
+        gidx_ptr, stride_sg, stride_zg, GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS, HAS_PERM,
+        HAS_GIDX, DOT_DTYPE, SWAP_AB,
     )  # fmt: skip
     for k0 in range(k_start + BLOCK_K, k_start + k_len, BLOCK_K):
         words = _load_words(qw_ptr, k0, offs_n, n_mask, stride_qk, BLOCK_K)
         acc = _tile_step(
             acc, words, k0, x_rows, m_mask, offs_n, n_mask, s_ptr, z_ptr, perm_ptr,
             gidx_ptr, stride_sg, stride_zg, GROUP_SIZE, BLOCK_N, BLOCK_K, HAS_ZEROS,
-            HAS_PERM, HAS_GIDX, DOT_DTYPE,
+            HAS_PERM, HAS_GIDX, DOT_DTYPE, SWAP_AB,
         )  # fmt: skip
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -324,7 +346,8 @@ def fit_launch(
     split_k = launch.split_k
     while split_k > 1 and ((num_k // block_k) % split_k or num_tiles > SPLIT_K_LOCKS):
         split_k //= 2
-    return launch._replace(block_m=block_m, block_k=block_k, split_k=split_k)
+    swap_ab = launch.swap_ab and block_m > 1
+    return launch._replace(block_m=block_m, block_k=block_k, split_k=split_k, swap_ab=swap_ab)
 
 
 def w4a16(
@@ -417,6 +440,7 @@ def w4a16(
         SPLIT_K=cfg.split_k,
         GROUP_M=8,
         DOT_DTYPE=dot_dtype(x.dtype, _w4a16_kernel),
+        SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(_w4a16_kernel, device),

@@ -10,18 +10,19 @@ inputs), its scale group and the activations' dtype, with one launch per bucket 
         {
           "device": "NVIDIA H200", "n": 4096, "k": 4096, "group_size": 128,
           "dtype": "bfloat16",
-          "launches": {"1": [1, 64, 128, 8, 4, 3], "64": [16, 64, 128, 2, 4, 4],
+          "launches": {"1": [1, 64, 128, 8, 4, 3], "64": [16, 128, 128, 4, 4, 3, "swap_ab"],
                        "256": [128, 128, 64, 1, 8, 4], "2048": "cublas"}
         }
       ]
     }
 
-A launch is `[block_m, block_n, block_k, split_k, num_warps, num_stages]`, or `"cublas"`:
-dequantize the weight to the activation dtype in one kernel, then multiply with cuBLAS
-(the tuner writes it for the buckets where the device measured that faster). `block_m` 1
-is the matrix-vector form (`w4a16_gemv.py`, no `tl.dot`: each program one row). A call of
-`num_m` rows takes
-the smallest bucket `>= num_m` (the largest beyond the last). The choice depends on
+A launch is `[block_m, block_n, block_k, split_k, num_warps, num_stages]`, the same with
+a seventh element `"swap_ab"` (the `tl.dot` form with the weight tile as the dot's first
+operand, see `W4a16Launch.swap_ab`), or `"cublas"`: dequantize the weight to the
+activation dtype in one kernel, then multiply with cuBLAS (the tuner writes it for the
+buckets where the device measured that faster). `block_m` 1 is the matrix-vector form
+(`w4a16_gemv.py`, no `tl.dot`: each program one row). A call of `num_m` rows takes the
+smallest bucket `>= num_m` (the largest beyond the last). The choice depends on
 Python integers and names only: no host synchronisation, and under CUDA graphs each
 captured batch size keeps the launch chosen for its padded rows.
 """
@@ -40,12 +41,14 @@ __all__ = [
     "CUBLAS",
     "CUBLAS_LAUNCH",
     "DEFAULT_TABLE_PATH",
+    "SWAP_AB",
     "W4a16Launch",
     "W4a16Shape",
     "W4a16Table",
     "check_launch",
     "choose_w4a16_launch",
     "default_launch",
+    "launch_value",
     "load_w4a16_table",
     "table_entry",
 ]
@@ -55,6 +58,9 @@ DEFAULT_TABLE_PATH = Path(__file__).parent / "configs" / "w4a16.json"
 
 CUBLAS = "cublas"
 """The table's word for the dequantize + cuBLAS path."""
+
+SWAP_AB = "swap_ab"
+"""The table's word, after a launch's six numbers, for the weight-first `tl.dot` form."""
 
 
 class W4a16Launch(NamedTuple):
@@ -77,6 +83,12 @@ class W4a16Launch(NamedTuple):
     when it starts."""
     backend: str = "triton"
     """`triton`, or `cublas` (dequantize, then cuBLAS; the block fields are then unused)."""
+    swap_ab: bool = False
+    """The `tl.dot` form with the operands swapped: the dequantized weight tile
+    `[block_n, block_k]` first, the activations transposed `[block_k, block_m]` second,
+    summed as `[block_n, block_m]` and stored transposed. On Hopper wgmma takes its first
+    operand from registers and needs 64 of its M per warpgroup: the outputs fill M and 16
+    to 64 rows fit its N (see `w4a16.py`). Only with `block_m` 16 or more."""
 
 
 CUBLAS_LAUNCH = W4a16Launch(0, 0, 0, 1, 0, 0, CUBLAS)
@@ -113,6 +125,10 @@ def check_launch(launch: W4a16Launch) -> W4a16Launch:
         return launch
     if launch.backend != "triton":
         raise ValueError(f"backend={launch.backend!r} must be 'triton' or {CUBLAS!r}")
+    if not isinstance(launch.swap_ab, bool):
+        raise ValueError(f"swap_ab={launch.swap_ab!r} must be True or False")
+    if launch.swap_ab and launch.block_m == 1:
+        raise ValueError("swap_ab=True needs block_m >= 16 (block_m=1 is the matrix-vector form)")
     if launch.block_m != 1:
         check_power_of_2("block_m", launch.block_m, 16, 256, "rows per tile (or 1: one row)")
     check_power_of_2("block_n", launch.block_n, 8, 512, "output features per program")
@@ -155,16 +171,17 @@ def choose_w4a16_launch(
 ) -> W4a16Launch:
     """The launch for `num_m` rows of a layer of `shape`: the table's bucket (`table`
     None: `load_w4a16_table()`, the repository's), else the default. Each override
-    (`block_m`, `block_n`, `block_k`, `split_k`, `num_warps`, `num_stages`, `backend`)
-    that is not None replaces the chosen value.
+    (`block_m`, `block_n`, `block_k`, `split_k`, `num_warps`, `num_stages`, `backend`,
+    `swap_ab`) that is not None replaces the chosen value; `block_m=1` alone also turns
+    `swap_ab` off.
 
     Raises:
         ValueError: an unknown override or a value out of range.
     """
-    unknown = set(overrides) - {*_LAUNCH_FIELDS, "backend"}
+    unknown = set(overrides) - set(W4a16Launch._fields)
     if unknown:
         raise ValueError(
-            f"unknown launch options {sorted(unknown)}; expected {(*_LAUNCH_FIELDS, 'backend')}"
+            f"unknown launch options {sorted(unknown)}; expected {W4a16Launch._fields}"
         )
     if table is None:
         table = load_w4a16_table()
@@ -175,8 +192,12 @@ def choose_w4a16_launch(
     else:
         fp32 = shape.dtype == "float32"
         chosen = default_launch(num_m, shape.n, shape.k, num_sms, fp32)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    wants_triton = given.get("backend") == "triton" or bool(set(given) & set(_LAUNCH_FIELDS))
+    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("block_m") == 1:
+        given.setdefault("swap_ab", False)
+    wants_triton = given.get("backend") == "triton" or bool(
+        set(given) & {*_LAUNCH_FIELDS, "swap_ab"}
+    )
     if chosen.backend == CUBLAS and wants_triton:
         chosen = default_launch(num_m, shape.n, shape.k, num_sms, shape.dtype == "float32")
         given.setdefault("backend", "triton")
@@ -202,17 +223,28 @@ def _read_entry(entry: Any, where: str) -> tuple[W4a16Shape, list[tuple[int, W4a
 def _read_launch(value: Any) -> W4a16Launch:
     if value == CUBLAS:
         return CUBLAS_LAUNCH
-    if not isinstance(value, list) or len(value) != len(_LAUNCH_FIELDS):
-        raise ValueError(f"a launch is {list(_LAUNCH_FIELDS)} or {CUBLAS!r}, got {value!r}")
-    return check_launch(W4a16Launch(*value))
+    num = len(_LAUNCH_FIELDS)
+    if not isinstance(value, list) or len(value) not in (num, num + 1):
+        raise ValueError(
+            f"a launch is {list(_LAUNCH_FIELDS)} (then optionally {SWAP_AB!r}) or {CUBLAS!r}, "
+            f"got {value!r}"
+        )
+    if len(value) > num and value[num] != SWAP_AB:
+        raise ValueError(f"{value[num]!r} after a launch's numbers must be {SWAP_AB!r}")
+    return check_launch(W4a16Launch(*value[:num])._replace(swap_ab=len(value) > num))
 
 
 def table_entry(shape: W4a16Shape, buckets: dict[int, W4a16Launch]) -> dict[str, Any]:
     """One entry of the JSON table (what the tuner writes)."""
     return {
         **entry_fields(shape),
-        "launches": {
-            str(m): CUBLAS if launch.backend == CUBLAS else list(launch[: len(_LAUNCH_FIELDS)])
-            for m, launch in sorted(buckets.items())
-        },
+        "launches": {str(m): launch_value(launch) for m, launch in sorted(buckets.items())},
     }
+
+
+def launch_value(launch: W4a16Launch) -> str | list[int | str]:
+    """A launch as the table writes it (and the tools' records show it)."""
+    if launch.backend == CUBLAS:
+        return CUBLAS
+    numbers: list[int | str] = list(launch[: len(_LAUNCH_FIELDS)])
+    return [*numbers, SWAP_AB] if launch.swap_ab else numbers

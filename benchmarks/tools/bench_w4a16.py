@@ -11,10 +11,15 @@ output is checked against `w4a16_ref` first (relative error < 1e-2).
 
     python3 benchmarks/tools/bench_w4a16.py --out $OUT/w4a16_kernels.jsonl
     python3 benchmarks/tools/bench_w4a16.py --rows 1 --shape down_proj --launch 1,64,128,8,4,3
+    python3 benchmarks/tools/bench_w4a16.py --rows 16 --launch 16,128,128,4,4,3,swap_ab
+    python3 benchmarks/tools/bench_w4a16.py --table $OUT/w4a16.json --out $OUT/w4a16_kernels.jsonl
 
-`--tp 2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
+The launches are the repository's table's (`kernels/configs/w4a16.json`), another table's
+(`--table`, a tuner's output before it is copied there) or the one `--launch` names. `--tp
+2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
 `workload` "W4A16-kernel", `value` the int4 microseconds, `baseline_value` bf16 cuBLAS's,
-`ratio` bf16 time over int4 time (above 1: int4 faster).
+`ratio` bf16 time over int4 time (above 1: int4 faster), `launch` the launch that ran as
+the table writes it.
 """
 
 from __future__ import annotations
@@ -114,25 +119,39 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument(
         "--launch", default=None,
-        help="block_m,block_n,block_k,split_k,num_warps,num_stages (or cublas) instead of the table's",
+        help="block_m,block_n,block_k,split_k,num_warps,num_stages[,swap_ab] (or cublas) "
+        "instead of the table's",
     )  # fmt: skip
+    ap.add_argument("--table", default=None, help="launch table (default: the repository's)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_w4a16: needs a CUDA GPU; nothing to do on this machine")
-        return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from common import Recorder
 
-    from batchlm.kernels.launch import device_name, dtype_name, num_sms
+    from batchlm.kernels.launch import cdiv, device_name, dtype_name, num_sms
     from batchlm.kernels.w4a16 import fit_launch, new_split_k_locks, w4a16, w4a16_ref
-    from batchlm.kernels.w4a16_launch import CUBLAS, W4a16Shape, choose_w4a16_launch
+    from batchlm.kernels.w4a16_launch import (
+        CUBLAS,
+        SWAP_AB,
+        W4a16Shape,
+        choose_w4a16_launch,
+        launch_value,
+        load_w4a16_table,
+    )
 
-    overrides = {}
+    overrides: dict = {}
     if args.launch == CUBLAS:
         overrides = dict(backend=CUBLAS)
     elif args.launch:
+        values = args.launch.split(",")
+        overrides = dict(swap_ab=values[6:] == [SWAP_AB])
+        if len(values) not in (6, 7) or (values[6:] and not overrides["swap_ab"]):
+            ap.error(f"--launch {args.launch}: six integers, then optionally {SWAP_AB}")
         fields = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
-        overrides = dict(zip(fields, map(int, args.launch.split(",")), strict=True))
+        overrides.update(zip(fields, map(int, values[:6]), strict=True))
+    table = load_w4a16_table(args.table) if args.table else None
+    if not torch.cuda.is_available():
+        print("bench_w4a16: needs a CUDA GPU; nothing to do on this machine")
+        return 0
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda", torch.cuda.current_device())
     rec = Recorder(args.out)
@@ -147,18 +166,20 @@ def main() -> int:
         for rows in args.rows or ROWS:
             x = torch.randn(rows, num_k, device="cuda", dtype=dtype)
             shape = W4a16Shape(device_name(device), num_n, num_k, GROUP_SIZE, dtype_name(dtype))
-            launch = choose_w4a16_launch(rows, shape, num_sms(device), **overrides)
-            tiles = rows * -(-num_n // max(launch.block_n, 1))
+            launch = choose_w4a16_launch(rows, shape, num_sms(device), table, **overrides)
+            row_tiles = rows if launch.block_m == 1 else cdiv(rows, max(launch.block_m, 1))
+            tiles = row_tiles * cdiv(num_n, max(launch.block_n, 1))
             launch = fit_launch(launch, num_k, GROUP_SIZE, False, tiles)
             ref = w4a16_ref(x, **int4_weights[0])
-            error = relative_error(w4a16(x, **int4_weights[0], locks=locks, **overrides), ref)
+            got = w4a16(x, **int4_weights[0], locks=locks, table=table, **overrides)
+            error = relative_error(got, ref)
             dequant_error = relative_error(w4a16(x, **int4_weights[0], backend=CUBLAS), ref)
             if max(error, dequant_error) > 1e-2:
                 raise AssertionError(
                     f"{name} rows={rows}: relative errors {error}, {dequant_error}"
                 )
             int4_us = time_calls(
-                lambda w, x=x: w4a16(x, **w, locks=locks, **overrides), int4_weights
+                lambda w, x=x: w4a16(x, **w, locks=locks, table=table, **overrides), int4_weights
             )
             dequant_us = time_calls(
                 lambda w, x=x: w4a16(x, **w, backend=CUBLAS), int4_weights, calls=8
@@ -182,7 +203,8 @@ def main() -> int:
                 tp=args.tp,
                 group_size=GROUP_SIZE,
                 dtype=args.dtype,
-                launch=CUBLAS if launch.backend == CUBLAS else list(launch[:6]),
+                launch=launch_value(launch),
+                table=args.table or "repository",
                 int4_weight_GBps=round(int4_read / int4_us / 1e3, 1),
                 bf16_weight_GBps=round(num_n * num_k * 2 / bf16_us / 1e3, 1),
                 int4_floor_us=round(int4_read / HBM_BYTES_PER_S * 1e6, 2),

@@ -5,7 +5,8 @@ Shapes: the Llama-3.1-8B layers on one rank (q|k|v 6144 x 4096, o 4096 x 4096, g
 28672 x 4096, down 4096 x 14336; `--tp 2` for one rank's share at tensor_parallel_size=2),
 groups of 128, bf16 activations (`--dtype float16` for fp16), for row buckets 1, 2, 4, ...,
 16384. For each (shape, bucket), candidate launches from a pool by row range (shared
-across shapes, so each compiles once), and the dequantize + cuBLAS path, are each checked
+across shapes, so each compiles once; from 2 rows on, `tl.dot` tiles with the activations
+or the weight first), and the dequantize + cuBLAS path, are each checked
 against `w4a16_ref` (relative error < 1e-2) and timed as `bench_w4a16.py` times them
 (a CUDA graph of back-to-back calls over enough weight copies that none sits in L2); bf16
 cuBLAS on the same shape is timed beside them for the log. The fastest wins the bucket:
@@ -17,10 +18,13 @@ device's buckets for the swept shapes replaced bucket by bucket, so runs over di
 `--m` or `--shape` subsets add up. Copy it to `kernels/configs/w4a16.json` to keep it.
 
     python3 benchmarks/tools/tune_w4a16.py --out $OUT/w4a16.json --log $OUT/tune_w4a16.jsonl
-    python3 benchmarks/tools/tune_w4a16.py --m 1 --m 2 --m 4 --m 8 --out $OUT/w4a16.json
+    python3 benchmarks/tools/tune_w4a16.py --m 16 --m 64 --m 256 --out $OUT/w4a16.json
+    python3 benchmarks/tools/tune_w4a16.py --m 16 --m 64 --m 256 --out $OUT/w4a16.json --dry-run
 
 The sweep stops starting new candidates after `--max-seconds` (the best so far stays;
-buckets not reached are left out and keep the table's or the defaults).
+buckets not reached are left out and keep the table's or the defaults). `--dry-run` (no
+GPU needed) checks every candidate launch and prints, per bucket, how many there are and,
+per shape, which of the table's buckets the run would replace and which it keeps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import re
 import sys
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from bench_w4a16 import (
@@ -43,6 +48,9 @@ from bench_w4a16 import (
     shapes_for,
     time_calls,
 )
+
+if TYPE_CHECKING:
+    from batchlm.kernels.w4a16_launch import W4a16Launch
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TOLERANCE = 1e-2
@@ -106,21 +114,84 @@ _LARGE_ROWS = [
     (128, 64, 64, 1, 4, 4),
 ]
 
+# The weight-first form (`swap_ab`): the outputs are wgmma's M (64 per warpgroup, so 8
+# warps only from 128 outputs on) and the rows its N, so a tile's rows are the call's rows
+# rounded up to 16 and no more. Up to 64 rows a call is bound by reading the weights: the
+# split over K grows with the outputs per program until the programs fill the SMs; from 256
+# rows on, wide tiles without a split, as in the activation-first pools. Launches whose
+# registers spill in the sm_90 code are left out.
+_SWAP_FEW_ROWS = [
+    *[(16, 64, 128, s, 4, 3) for s in (1, 2, 4, 8)],
+    *[(16, 64, 64, s, 4, 4) for s in (2, 4, 8)],
+    *[(16, 128, 128, s, 4, 3) for s in (1, 2, 4, 8)],
+    *[(16, 128, 128, s, 4, 4) for s in (2, 4)],
+    *[(16, 128, 64, s, 4, 4) for s in (1, 2, 4, 8)],
+    *[(16, 128, 32, s, 4, 4) for s in (2, 4)],
+    *[(16, 128, 128, s, 8, 3) for s in (1, 2, 4)],
+    *[(16, 256, 128, s, 8, 3) for s in (1, 2, 4)],
+    *[(16, 256, 64, s, 8, 4) for s in (1, 2, 4)],
+]
+_SWAP_MEDIUM_ROWS = [
+    *[(32, 64, 128, s, 4, 3) for s in (2, 4)],
+    *[(32, 128, 128, s, 4, 3) for s in (1, 2, 4)],
+    *[(32, 128, 64, s, 4, 4) for s in (1, 2, 4)],
+    *[(32, 256, 64, s, 8, 3) for s in (1, 2)],
+    *[(64, 64, 128, s, 4, 3) for s in (1, 2, 4)],
+    *[(64, 128, 128, s, 4, 3) for s in (1, 2)],
+    *[(64, 128, 64, s, 4, 4) for s in (1, 2)],
+    *[(64, 128, 128, s, 8, 3) for s in (1, 2, 4)],
+    *[(64, 256, 64, s, 8, 3) for s in (1, 2)],
+    *[(64, 256, 128, s, 8, 3) for s in (1, 2)],
+]
+_SWAP_MANY_ROWS = [
+    *[(64, 64, 128, s, 4, 3) for s in (1, 2)],
+    (64, 128, 64, 1, 4, 3),
+    (64, 128, 64, 1, 4, 4),
+    (64, 128, 64, 2, 4, 4),
+    (64, 128, 128, 1, 4, 3),
+    (64, 128, 128, 2, 8, 3),
+    (64, 256, 64, 1, 8, 3),
+    (64, 256, 64, 1, 8, 4),
+    (64, 256, 128, 1, 8, 3),
+    (128, 64, 64, 1, 4, 4),
+    (128, 128, 64, 1, 8, 3),
+    (128, 128, 64, 1, 8, 4),
+    (128, 128, 64, 2, 8, 3),
+    (128, 128, 128, 1, 8, 3),
+    (128, 256, 64, 1, 8, 3),
+]
+_SWAP_LARGE_ROWS = [
+    (128, 128, 64, 1, 8, 4),
+    (128, 256, 64, 1, 8, 3),
+    (128, 128, 128, 1, 8, 3),
+    (64, 256, 64, 1, 8, 3),
+]
 
-def candidates(rows: int) -> list[tuple[int, ...]]:
+
+def candidates(rows: int) -> list[W4a16Launch]:
+    """The launches swept for a bucket of `rows` (the cuBLAS path comes on top)."""
+    from batchlm.kernels.w4a16_launch import W4a16Launch
+
     if rows == 1:
-        return _ONE_ROW
-    if rows <= 16:
-        return _FEW_ROWS
-    if rows <= 64:
-        return _MEDIUM_ROWS
-    return _MANY_ROWS if rows <= 512 else _LARGE_ROWS
+        pools = (_ONE_ROW, [])
+    elif rows <= 16:
+        pools = (_FEW_ROWS, _SWAP_FEW_ROWS)
+    elif rows <= 64:
+        pools = (_MEDIUM_ROWS, _SWAP_MEDIUM_ROWS)
+    elif rows <= 512:
+        pools = (_MANY_ROWS, _SWAP_MANY_ROWS)
+    else:
+        pools = (_LARGE_ROWS, _SWAP_LARGE_ROWS)
+    activations_first, weight_first = pools
+    return [W4a16Launch(*c) for c in activations_first] + [
+        W4a16Launch(*c, swap_ab=True) for c in weight_first
+    ]
 
 
 def sweep(name, num_n, num_k, rows, weights, args, emit, deadline, locks):
     """The fastest launch of a (shape, rows) bucket, or None when the deadline came first."""
     from batchlm.kernels.w4a16 import w4a16, w4a16_ref
-    from batchlm.kernels.w4a16_launch import CUBLAS, CUBLAS_LAUNCH, W4a16Launch
+    from batchlm.kernels.w4a16_launch import CUBLAS, CUBLAS_LAUNCH, launch_value
 
     dtype = getattr(torch, args.dtype)
     x = torch.randn(rows, num_k, device="cuda", dtype=dtype)
@@ -128,13 +199,13 @@ def sweep(name, num_n, num_k, rows, weights, args, emit, deadline, locks):
     tag = dict(shape=name, n=num_n, k=num_k, m=rows, dtype=args.dtype)
     calls = 24 if rows <= 256 else 8
     timed = []
-    for config in [*candidates(rows), CUBLAS]:
+    for launch in [*candidates(rows), CUBLAS_LAUNCH]:
         if time.perf_counter() > deadline:
             emit(dict(tag, stopped="deadline"))
             break
-        launch = CUBLAS_LAUNCH if config == CUBLAS else W4a16Launch(*config)
-        options = dict(backend=CUBLAS) if config == CUBLAS else launch._asdict()
-        record = dict(tag, launch=config if config == CUBLAS else list(config))
+        is_cublas = launch.backend == CUBLAS
+        options = dict(backend=CUBLAS) if is_cublas else launch._asdict()
+        record = dict(tag, launch=launch_value(launch))
         try:
             error = relative_error(w4a16(x, **weights[0], locks=locks, **options), ref)
             record["rel_error"] = round(error, 5)
@@ -145,7 +216,7 @@ def sweep(name, num_n, num_k, rows, weights, args, emit, deadline, locks):
             us = time_calls(
                 lambda w, o=options: w4a16(x, **w, locks=locks, **o),
                 weights,
-                calls=8 if config == CUBLAS else calls,
+                calls=8 if is_cublas else calls,
             )
         except Exception as exc:  # noqa: BLE001 - a failing launch is reported, the sweep goes on
             record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -165,7 +236,7 @@ def sweep(name, num_n, num_k, rows, weights, args, emit, deadline, locks):
     emit(
         dict(
             tag,
-            best=CUBLAS if best.backend == CUBLAS else list(best[:6]),
+            best=launch_value(best),
             best_us=round(best_us, 2),
             best_triton_us=round(triton_us, 2) if triton_us else None,
             bf16_cublas_us=round(bf16_us, 2),
@@ -195,6 +266,35 @@ def write_table(path: str, new: dict) -> None:
         f.write(text + "\n")
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """Check every candidate of the buckets asked for, and print the sweep's plan: per bucket
+    the launches it would time, per shape the table's buckets it would replace and keep."""
+    from pathlib import Path
+
+    from batchlm.kernels.w4a16_launch import DEFAULT_TABLE_PATH, check_launch, load_w4a16_table
+
+    buckets = args.m or ROW_BUCKETS
+    for rows in buckets:
+        launches = [check_launch(launch) for launch in candidates(rows)]
+        weight_first = sum(launch.swap_ab for launch in launches)
+        print(json.dumps(dict(m=rows, launches=len(launches) + 1, weight_first=weight_first)))
+    base = Path(args.out) if Path(args.out).exists() else DEFAULT_TABLE_PATH
+    table = load_w4a16_table(base)
+    for name, (num_n, num_k) in shapes_for(args.tp).items():
+        if args.shape and name not in args.shape:
+            continue
+        key = (num_n, num_k, GROUP_SIZE, args.dtype)
+        entries = {s.device_name: b for s, b in table.items() if tuple(s[1:]) == key} or {"": []}
+        for device, entry in entries.items():
+            have = [m for m, _ in entry]
+            plan = dict(shape=name, n=num_n, k=num_k, table=str(base), device=device,
+                        replaces=[m for m in have if m in buckets],
+                        keeps=[m for m in have if m not in buckets],
+                        adds=[m for m in buckets if m not in have])  # fmt: skip
+            print(json.dumps(plan))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="where to write the launch table (JSON)")
@@ -204,7 +304,10 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="one rank's shapes at this TP size")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--max-seconds", type=float, default=540.0)
+    ap.add_argument("--dry-run", action="store_true", help="check and print the plan; no GPU")
     args = ap.parse_args()
+    if args.dry_run:
+        return dry_run(args)
     if not torch.cuda.is_available():
         print("tune_w4a16: needs a CUDA GPU; nothing to do on this machine")
         return 0

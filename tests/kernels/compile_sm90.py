@@ -212,8 +212,10 @@ def record_all_launches() -> list[_Launch]:
     ):
         # W3-int4's gate|up (GPTQ g128) at one row (the matrix-vector kernel, untuned and
         # with whole groups per step, weights loaded when each step starts) and at 16;
-        # zero points, activation order and groups given per feature at one row.
+        # zero points, activation order and groups given per feature at one row; the
+        # weight-first tl.dot form at 16, 64 and 256 rows.
         u8, i32 = torch.uint8, torch.int32
+        swap = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
         cases = [  # rows, n, k, group, dtype, zeros, perm, g_idx, launch
             (1, 28672, 4096, 128, bf16, False, False, False, {}),
             (1, 28672, 4096, 128, bf16, False, False, False,
@@ -221,6 +223,11 @@ def record_all_launches() -> list[_Launch]:
             (16, 28672, 4096, 128, bf16, False, False, False, {}),
             (1, 4096, 14336, 32, f16, True, True, False, {}),
             (1, 1000, 1024, 64, f32, True, True, True, dict(split_k=2)),
+            (16, 6144, 4096, 128, bf16, False, False, False, dict(swap, block_m=16, split_k=4)),
+            (64, 4096, 14336, 32, f16, True, True, False, dict(swap, block_m=64, split_k=2)),
+            (256, 4096, 4096, 128, bf16, False, False, False,
+             dict(swap, block_m=128, block_n=256, block_k=64, num_warps=8)),
+            (20, 1000, 1024, 64, f32, True, True, True, dict(swap, block_m=32, block_n=64)),
         ]  # fmt: skip
         for rows_, n, k, group, dtype, zeros, perm, g_idx, launch in cases:
             groups = k // group
@@ -312,6 +319,15 @@ def check_pipelined(launch: _Launch, compiled: Any) -> str | None:
     return None
 
 
+def needs_wgmma(launch: _Launch) -> bool:
+    """Whether `launch` must multiply with wgmma: the weight-first W4A16 form in 16-bit (its
+    reason to exist; float32 products take FMAs)."""
+    import triton.language as tl
+
+    kwargs = launch.kwargs
+    return bool(kwargs.get("SWAP_AB")) and kwargs["DOT_DTYPE"] != tl.float32
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("run without TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
@@ -328,9 +344,13 @@ def main() -> int:
             if shared > SM90_MAX_SHARED_BYTES:
                 print(f"{name} needs {shared} bytes of shared memory", file=sys.stderr)
                 return 1
-            waits = compiled.asm["ptx"].count("griddepcontrol.wait")
+            ptx = compiled.asm["ptx"]
+            waits = ptx.count("griddepcontrol.wait")
             if bool(waits) != launch.kwargs["PDL"]:
                 print(f"{name} {constexprs}: {waits} griddepcontrol.wait", file=sys.stderr)
+                return 1
+            if needs_wgmma(launch) and "wgmma.mma_async" not in ptx:
+                print(f"{name} {constexprs}: no wgmma", file=sys.stderr)
                 return 1
         if name in PIPELINED_KERNELS and launch.kwargs["num_stages"] > 1:  # as on the device
             why = check_pipelined(launch, compiled)

@@ -39,6 +39,8 @@ def test_kernels_compile_for_sm90():
                 kernel,
                 pdl,
             )
+    # The weight-first W4A16 form (`compile_sm90` checks that it multiplies with wgmma).
+    assert any(line.startswith("_w4a16_kernel") and "'SWAP_AB': True" in line for line in compiled)
     for kernel in ("_decode", "_prefill"):  # Gemma 2's soft-capped scores
         assert any(
             line.startswith(kernel) and "'HAS_SOFTCAP': True" in line for line in compiled

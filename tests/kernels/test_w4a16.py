@@ -1,6 +1,7 @@
 """The W4A16 GEMM against its reference (the weight dequantized in float32), for every form
-of launch (matrix-vector, split-K, tl.dot tiles, dequantize + cuBLAS), contiguous groups and
-per-feature groups, activation order on and off; its launch table; its argument checks."""
+of launch (matrix-vector, split-K, tl.dot tiles with the activations or the weight first,
+dequantize + cuBLAS), contiguous groups and per-feature groups, activation order on and
+off; its launch table; its argument checks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import pytest
 import torch
 
+from batchlm.kernels import w4a16 as w4a16_module
+from batchlm.kernels import w4a16_gemv
 from batchlm.kernels.w4a16 import (
     dequantize_int4_ref,
     new_split_k_locks,
@@ -25,6 +28,7 @@ from batchlm.kernels.w4a16_launch import (
     table_entry,
 )
 
+from .compile_sm90 import recording
 from .helpers import ON_GPU, gpu_only
 
 # The reference multiplies the float32 weight in float32; the kernel feeds tl.dot the
@@ -98,9 +102,10 @@ def test_kernel_matches_reference(rows, group_size, act_order, device):
         dict(block_m=1, block_n=32, block_k=32, split_k=4),  # matrix-vector, split
         dict(block_m=16, block_n=32, block_k=64, split_k=2),  # tiles, split
         dict(block_m=32, block_n=64, block_k=32, split_k=1),
+        dict(block_m=16, block_n=64, block_k=32, split_k=2, swap_ab=True),
         dict(backend=CUBLAS),
     ],
-    ids=["row-split4", "tile-split2", "tile", "cublas"],
+    ids=["row-split4", "tile-split2", "tile", "swap-ab-split2", "cublas"],
 )
 def test_every_launch_form(launch, dtype, device):
     weight = make_weight(256, 72, 64, zeros=True, act_order=True, dtype=dtype, device=device)
@@ -108,15 +113,63 @@ def test_every_launch_form(launch, dtype, device):
     check(x, weight, new_split_k_locks(x.device), **launch)
 
 
-@pytest.mark.parametrize("rows", [1, 9])
-def test_groups_given_per_feature(rows, device):
+@pytest.mark.parametrize(
+    ("rows", "launch"), [(1, {}), (9, {}), (9, dict(block_m=16, swap_ab=True))],
+    ids=["row", "tile", "swap-ab"],
+)  # fmt: skip
+def test_groups_given_per_feature(rows, launch, device):
     """`g_idx` (a rank's share of an activation-ordered layer): any group for any feature,
     every group's scales kept."""
     weight = make_weight(192, 48, 32, zeros=True, act_order=True, per_feature_groups=True,
                          device=device)  # fmt: skip
     weight["group_size"] = 64  # only bounds the step when groups are given per feature
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(2)).to(device)
-    check(x.to(torch.bfloat16), weight, new_split_k_locks(x.device), split_k=2)
+    check(x.to(torch.bfloat16), weight, new_split_k_locks(x.device), split_k=2, **launch)
+
+
+@pytest.mark.parametrize(
+    ("rows", "group_size", "zeros", "act_order", "split_k", "dtype"),
+    [
+        (7, 32, True, True, 2, torch.bfloat16),
+        (7, 64, False, False, 1, torch.float32),
+        (64, 128, True, False, 2, torch.float32),
+        (64, 32, False, True, 1, torch.bfloat16),
+        (300, 64, True, True, 1, torch.bfloat16),  # activations gathered before the kernel
+        (300, 128, False, False, 2, torch.float32),
+    ],
+    ids=str,
+)
+def test_swap_ab_matches_reference(rows, group_size, zeros, act_order, split_k, dtype, device):
+    """The weight-first `tl.dot` form: every row count, group size, zero points, activation
+    order, split and dtype at least once, over a partial tile of rows and of outputs."""
+    weight = make_weight(256, 80, group_size, zeros=zeros, act_order=act_order, dtype=dtype,
+                         device=device, seed=rows + group_size)  # fmt: skip
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    launch = dict(block_m=16 if rows < 64 else 64, block_n=64, block_k=64, split_k=split_k)
+    check(x.to(device), weight, new_split_k_locks(x.device), swap_ab=True, **launch)
+
+
+def test_swap_ab_is_the_tables_choice_and_one_row_keeps_the_row_form():
+    """A table's weight-first launch reaches the kernel; a one-row bucket, or an override of
+    `block_m=1`, still takes the matrix-vector kernel (recorded, not run)."""
+    table = {
+        SHAPE: [
+            (1, W4a16Launch(1, 32, 64, 4, 4, 3)),
+            (64, W4a16Launch(16, 64, 64, 2, 4, 3, swap_ab=True)),
+        ]
+    }
+    weight = make_weight(256, 80, 64, zeros=True, act_order=False)
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    locks = new_split_k_locks(x.device)
+    with (
+        recording(w4a16_module, "_w4a16_kernel") as tiles,
+        recording(w4a16_gemv, "_w4a16_gemv_kernel") as rows,
+    ):
+        for num_m, launch in ((1, {}), (2, {}), (64, {}), (2, dict(block_m=1))):
+            w4a16(x[:num_m], **weight, locks=locks, table=table, **launch)
+    assert len(rows) == 2
+    assert [t.kwargs["SWAP_AB"] for t in tiles] == [True, True]
+    assert [t.kwargs["BLOCK_M"] for t in tiles] == [16, 16]
 
 
 def test_rows_of_a_wider_batch(device):
@@ -155,6 +208,10 @@ def test_operands_are_checked(device):
         w4a16(x, **weight, block_q=4)
     with pytest.raises(ValueError, match="split_k=3 must be a power of two"):
         w4a16(x, **weight, split_k=3)
+    with pytest.raises(ValueError, match="swap_ab='yes' must be True or False"):
+        w4a16(x, **weight, swap_ab="yes")
+    with pytest.raises(ValueError, match="swap_ab=True needs block_m >= 16"):
+        w4a16(x, **weight, block_m=1, swap_ab=True)
 
 
 # ---- the launch table ---------------------------------------------------------------
@@ -165,14 +222,21 @@ SHAPE = W4a16Shape("cpu", 80, 256, 64, "bfloat16")
 def test_table_buckets_and_the_cublas_word(tmp_path):
     buckets = {
         1: W4a16Launch(1, 32, 64, 4, 4, 3),
+        16: W4a16Launch(16, 64, 64, 2, 4, 3, swap_ab=True),
         64: W4a16Launch(16, 64, 64, 2, 4, 3),
         256: W4a16Launch(0, 0, 0, 1, 0, 0, CUBLAS),
     }
     path = tmp_path / "w4a16.json"
     path.write_text(json.dumps({"entries": [table_entry(SHAPE, buckets)]}))
+    written = json.loads(path.read_text())["entries"][0]["launches"]
+    # Six numbers as before; the weight-first form adds its word.
+    assert written["1"] == [1, 32, 64, 4, 4, 3]
+    assert written["16"] == [16, 64, 64, 2, 4, 3, "swap_ab"]
     table = load_w4a16_table(path)
+    assert choose_w4a16_launch(16, SHAPE, 4, table) == buckets[16]
+    assert choose_w4a16_launch(16, SHAPE, 4, table, block_m=1).swap_ab is False
     assert choose_w4a16_launch(1, SHAPE, 4, table) == buckets[1]
-    assert choose_w4a16_launch(2, SHAPE, 4, table) == buckets[64]
+    assert choose_w4a16_launch(17, SHAPE, 4, table) == buckets[64]
     assert choose_w4a16_launch(5000, SHAPE, 4, table).backend == CUBLAS  # beyond the last
     # An override of a block size (or backend="triton") leaves the cuBLAS path.
     assert choose_w4a16_launch(300, SHAPE, 4, table, block_m=32).backend == "triton"
@@ -192,6 +256,10 @@ def test_table_buckets_and_the_cublas_word(tmp_path):
         ({"1": [8, 32, 64, 1, 4, 3]}, "block_m=8"),
         ({"x": [1, 32, 64, 1, 4, 3]}, "bucket 'x'"),
         ({"1": "cuda"}, "a launch is"),
+        ({"1": [16, 32, 64, 1, 4, 3, "swapab"]}, "'swapab' after a launch's numbers"),
+        ({"1": [16, 32, 64, 1, 4, 3, True]}, "True after a launch's numbers"),
+        ({"1": [1, 32, 64, 1, 4, 3, "swap_ab"]}, "swap_ab=True needs block_m >= 16"),
+        ({"1": [16, 32, 64, 1, 4, 3, "swap_ab", 1]}, "a launch is"),
     ],
 )
 def test_bad_table_entries_are_named(launches, match, tmp_path):
