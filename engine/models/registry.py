@@ -26,14 +26,22 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
 }
 _TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
+_VISION_LANGUAGE: set[str] = set()
+"""Architectures that take images in prompts (`multimodal/`; the vision tower is in the model)."""
+
+
+def is_vision_language(architecture: str) -> bool:
+    """Whether the architecture takes images in prompts (its model has a vision tower)."""
+    return architecture in _VISION_LANGUAGE
 
 
 def text_config_of(hf_config: Any) -> Any:
-    """The config the engine runs: for a multimodal checkpoint served as text (`_TEXT_ONLY`),
-    its language model's config, keeping the architecture name and the dtype; any other
-    config as it is."""
+    """The config the engine runs: for a multimodal checkpoint (`_TEXT_ONLY`, or a vision-
+    language model, whose whole config is `MultiModalConfig.hf_config`), its language
+    model's config, keeping the architecture name and the dtype; any other config as it
+    is."""
     archs = getattr(hf_config, "architectures", None) or []
-    if not archs or archs[0] not in _TEXT_ONLY:
+    if not archs or archs[0] not in _TEXT_ONLY | _VISION_LANGUAGE:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
     text.architectures = [archs[0]]
@@ -140,6 +148,11 @@ def pooling_task_of(architecture: str, convert: str) -> str:
         return task
     if architecture in _DECODER_CLASSIFIERS:
         return "classify"
+    if architecture in _VISION_LANGUAGE:
+        raise UnsupportedModelError(
+            f"{architecture} (a vision-language model) cannot be used for pooling; load it "
+            "with runner='generate' (or 'auto')"
+        )
     if architecture in _GENERATIVE:
         if convert in ("auto", "embed"):
             return "embed"
