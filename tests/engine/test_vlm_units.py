@@ -1,11 +1,12 @@
-"""Exact tests of the image bookkeeping: placeholder ranges, content hashes, a step's
-image rows under chunking, and the vision-tower output cache."""
+"""Exact tests of the image bookkeeping: placeholder ranges, content hashes, block hashes
+with images, a step's image rows under chunking, and the vision-tower output cache."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from batchlm.engine.core.kv_cache import hash_block, image_keys
 from batchlm.engine.core.scheduler import ScheduledRequest
 from batchlm.engine.multimodal.inputs import ImageInput
 from batchlm.engine.multimodal.processor import content_hash, placeholder_ranges
@@ -36,6 +37,19 @@ def test_content_hash_covers_pixels_and_kwargs():
     assert content_hash(pixels, {}) != content_hash(other, {})
     assert content_hash(pixels, {}) != content_hash(pixels, {"do_resize": False})
     assert content_hash(pixels, {"a": 1, "b": 2}) == content_hash(pixels, {"b": 2, "a": 1})
+
+
+def test_block_hash_with_images():
+    tokens = [3, IMG, IMG, IMG]
+    plain = hash_block(None, tokens)
+    assert hash_block(None, tokens, extra_keys=()) == plain  # text-only hashes unchanged
+    a, b = _image(1, 3, 111), _image(1, 3, 222)
+    assert image_keys([a], 0, 4) == ((111, 1),)
+    assert image_keys([a], 4, 8) == ()
+    ha = hash_block(None, tokens, extra_keys=image_keys([a], 0, 4))
+    assert ha != plain
+    assert ha != hash_block(None, tokens, extra_keys=image_keys([b], 0, 4))
+    assert ha == hash_block(None, tokens, extra_keys=image_keys([_image(1, 3, 111)], 0, 4))
 
 
 def _sched(rid: str, start: int, n: int, images: tuple) -> ScheduledRequest:
