@@ -82,12 +82,18 @@ def _image_prompts(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> dic
         for i, p in enumerate(prompt_dicts):
             key = next((k for k in sorted(MULTIMODAL_KEYS) if k in p), None)
             if key is not None:
+                from .models.registry import runs_language_model_only
+
                 arch = engine.config.model.architecture or "this model"
+                why = (
+                    "batchlm runs its language model alone, without its vision tower"
+                    if runs_language_model_only(arch)
+                    else "it has no vision tower"
+                )
                 raise InvalidPromptError(
                     f"prompts[{i}] has the key {key!r}: images, audio and video inputs need "
-                    f"a vision-language model, and {arch} is a text-only model (it has no "
-                    "vision tower); load one such as LlavaForConditionalGeneration, or pass "
-                    "text alone"
+                    f"a vision-language model, and {arch} is a text-only model ({why}); load "
+                    "one such as LlavaForConditionalGeneration, or pass text alone"
                 )
         return {}
     items: dict[int, tuple[list[Any], dict[str, Any]]] = {}

@@ -24,15 +24,22 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     # Multimodal checkpoints whose language model runs on text prompts alone.
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
+    # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 _TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
-_VISION_LANGUAGE: set[str] = set()
-"""Architectures that take images in prompts (`multimodal/`; the vision tower is in the model)."""
+_VISION_LANGUAGE = {"LlavaForConditionalGeneration"}
 
 
 def is_vision_language(architecture: str) -> bool:
     """Whether the architecture takes images in prompts (its model has a vision tower)."""
     return architecture in _VISION_LANGUAGE
+
+
+def runs_language_model_only(architecture: str) -> bool:
+    """Whether the architecture is a multimodal checkpoint served on text alone (its vision
+    tower not loaded)."""
+    return architecture in _TEXT_ONLY
 
 
 def text_config_of(hf_config: Any) -> Any:
