@@ -336,6 +336,27 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts, for a vision-language model (`LLM(limit_mm_per_prompt=...,
+    mm_processor_kwargs=...)`, vLLM's names; see `multimodal/`)."""
+
+    hf_config: Any = field(repr=False, compare=False)
+    """The checkpoint's whole transformers config (vision tower, projector, placeholder
+    token); `ModelConfig.hf_config` is its language model's."""
+    image_token_id: int
+    """The placeholder token of an image in a prompt (config.json's `image_token_index`)."""
+    max_images_per_prompt: int | None = None
+    """Most images one prompt may carry (`limit_mm_per_prompt={"image": n}`); None: any."""
+    processor_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Keyword arguments of every call to the checkpoint's processor; a prompt's own
+    `mm_processor_kwargs` override them."""
+    encoder_cache_rows: int = 16384
+    """Vision-tower output rows (one per placeholder token) kept for images no running
+    request needs any more, least recently used dropped past it: a later prompt with the
+    same image (same content hash) skips the tower."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
@@ -359,6 +380,8 @@ class EngineConfig:
     asks for it: an engine that never sees one never imports it)."""
     lora: LoRAConfig | None = None
     """LoRA adapters per request; None: `lora_request` is refused."""
+    multimodal: MultiModalConfig | None = None
+    """Images in prompts; None for a text-only model (`multi_modal_data` is refused)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: torch.dtype | None, device: torch.device):

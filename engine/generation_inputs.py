@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidParamError, InvalidPromptError
-from .inputs import PromptType, normalize_prompts
+from .inputs import MULTIMODAL_KEYS, PromptType, normalize_prompts
+from .multimodal.inputs import ImageInput, image_items
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class GenerationRequest:
     params: SamplingParams
     prompt: str | None
     priority: int
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, prepared (a vision-language model's)."""
 
 
 def prepare_requests(
@@ -42,17 +45,73 @@ def prepare_requests(
     Raises:
         InvalidPromptError, InvalidParamError: naming the first bad prompt or value.
     """
-    prompt_dicts = normalize_prompts(prompts)
+    prompt_dicts = normalize_prompts(prompts, multimodal=True)
     n = len(prompt_dicts)
     params_list = params_per_prompt(engine, sampling_params, n, default_params)
     priorities = priority_per_prompt(priority, n, engine.config.scheduler.policy)
-    token_lists = _tokenize(engine, prompt_dicts)
-    return [
-        GenerationRequest(check_prompt(engine, i, ids, params), params, p.get("prompt"), prio)
-        for i, (p, ids, params, prio) in enumerate(
-            zip(prompt_dicts, token_lists, params_list, priorities, strict=True)
-        )
-    ]
+    images = _image_prompts(engine, prompt_dicts)
+    token_lists = _tokenize(engine, prompt_dicts, images)
+    out = []
+    for i, (p, ids, params, prio) in enumerate(
+        zip(prompt_dicts, token_lists, params_list, priorities, strict=True)
+    ):
+        prompt_images = images[i].images if i in images else ()
+        if prompt_images and params.truncate_prompt_tokens is not None:
+            raise InvalidParamError(
+                f"prompts[{i}] has images and truncate_prompt_tokens="
+                f"{params.truncate_prompt_tokens}: a prompt with images is not truncated "
+                "(it would cut placeholders); drop truncate_prompt_tokens for it"
+            )
+        ids = check_prompt(engine, i, ids, params)
+        out.append(GenerationRequest(ids, params, p.get("prompt"), prio, prompt_images))
+    return out
+
+
+def _image_prompts(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> dict[int, Any]:
+    """Prompt index → `ProcessedPrompt` (token ids with placeholders expanded, images
+    prepared) for each prompt with images; every prompt's images and processor kwargs
+    checked against the model first.
+
+    Raises:
+        InvalidPromptError: naming the prompt: images for a text-only model, more than
+            `limit_mm_per_prompt`, an image that cannot be read, placeholders that do not
+            match the images.
+    """
+    mm = engine.config.multimodal
+    if mm is None:
+        for i, p in enumerate(prompt_dicts):
+            key = next((k for k in sorted(MULTIMODAL_KEYS) if k in p), None)
+            if key is not None:
+                from .models.registry import runs_language_model_only
+
+                arch = engine.config.model.architecture or "this model"
+                why = (
+                    "batchlm runs its language model alone, without its vision tower"
+                    if runs_language_model_only(arch)
+                    else "it has no vision tower"
+                )
+                raise InvalidPromptError(
+                    f"prompts[{i}] has the key {key!r}: images, audio and video inputs need "
+                    f"a vision-language model, and {arch} is a text-only model ({why}); load "
+                    "one such as LlavaForConditionalGeneration, or pass text alone"
+                )
+        return {}
+    items: dict[int, tuple[list[Any], dict[str, Any]]] = {}
+    processor = engine.image_processor
+    for i, p in enumerate(prompt_dicts):
+        kwargs = processor.merged_kwargs(p.get("mm_processor_kwargs"), i)
+        if "multi_modal_data" in p:
+            found = image_items(p["multi_modal_data"], i, mm.max_images_per_prompt)
+            if found:
+                items[i] = (found, kwargs)
+    processed = {}
+    for i, (found, kwargs) in items.items():
+        p = prompt_dicts[i]
+        if "prompt_token_ids" in p:
+            processed[i] = processor.process_tokens(i, p["prompt_token_ids"], found, kwargs)
+        else:
+            processed[i] = processor.process_text(i, p["prompt"], found, kwargs)
+    return processed
 
 
 def priority_per_prompt(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:
@@ -155,14 +214,35 @@ def require_tokenizer(engine: Any, what: str) -> Any:
     return tokenizer
 
 
-def _tokenize(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> list[list[int]]:
-    texts = [(i, p["prompt"]) for i, p in enumerate(prompt_dicts) if "prompt_token_ids" not in p]
-    out: list[list[int] | None] = [p.get("prompt_token_ids") for p in prompt_dicts]
+def _tokenize(
+    engine: LLMEngine, prompt_dicts: list[dict[str, Any]], images: dict[int, Any]
+) -> list[list[int]]:
+    """Each prompt's token ids: those of a prompt with images as its processor made them;
+    the text prompts tokenized in one batched call. On a vision-language model, a prompt
+    without images must hold no image placeholder."""
+    texts = [
+        (i, p["prompt"])
+        for i, p in enumerate(prompt_dicts)
+        if "prompt_token_ids" not in p and i not in images
+    ]
+    out: list[list[int] | None] = [
+        images[i].prompt_token_ids if i in images else p.get("prompt_token_ids")
+        for i, p in enumerate(prompt_dicts)
+    ]
     if texts:
         tokenizer = require_tokenizer(engine, f"the text prompt at index {texts[0][0]}")
         encoded = tokenizer([t for _, t in texts])["input_ids"]
         for (i, _), ids in zip(texts, encoded, strict=True):
             out[i] = list(ids)
+    mm = engine.config.multimodal
+    if mm is not None:
+        for i, ids in enumerate(out):
+            if i not in images and mm.image_token_id in ids:
+                raise InvalidPromptError(
+                    f"prompts[{i}] has {ids.count(mm.image_token_id)} image placeholder "
+                    f"token(s) (id {mm.image_token_id}) but no images; pass them as "
+                    "multi_modal_data={'image': ...}, or remove the placeholders"
+                )
     return out  # type: ignore[return-value]
 
 

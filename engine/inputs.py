@@ -33,9 +33,13 @@ PromptType = str | TextPrompt | TokensPrompt | list[int]
 """A text, a prompt dict, or (as in vLLM) a bare list of token ids: one prompt."""
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
-"""The keys a prompt dict may hold; vLLM's others (`multi_modal_data`, `mm_processor_kwargs`,
-`cache_salt`, `prompt_embeds`, ...) are refused rather than dropped. Pooling calls also
-take `token_type_ids` with `prompt_token_ids`."""
+"""The keys a prompt dict may hold; vLLM's others (`cache_salt`, `prompt_embeds`, ...) are
+refused rather than dropped. Pooling calls also take `token_type_ids` with
+`prompt_token_ids`, generation calls `MULTIMODAL_KEYS`."""
+
+MULTIMODAL_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs"})
+"""A generation prompt's images (`{"image": ...}`) and its processor kwargs, as in vLLM;
+checked against the model by `generation_inputs.py`."""
 
 _UNSUPPORTED_KEYS = {
     "multi_modal_data": "images, audio and video inputs are not supported (text models only)",
@@ -62,7 +66,7 @@ def check_text(text: str, where: str, error: type[ValueError] = InvalidPromptErr
         ) from None
 
 
-def _check_prompt_keys(prompt: dict, index: int, token_types: bool) -> None:
+def _check_prompt_keys(prompt: dict, index: int, token_types: bool, multimodal: bool) -> None:
     """A prompt dict holds only keys batchlm acts on: a key it would ignore is refused, so
     that no input is silently run as something else (an image prompt as its text alone)."""
     if "token_type_ids" in prompt and not token_types:
@@ -70,7 +74,13 @@ def _check_prompt_keys(prompt: dict, index: int, token_types: bool) -> None:
             f"prompts[{index}] has token_type_ids, which only cross-encoders read (score / "
             "classify / embed); a generative model takes prompt_token_ids alone"
         )
-    unknown = [k for k in prompt if k not in PROMPT_KEYS and k != "token_type_ids"]
+    unknown = [
+        k
+        for k in prompt
+        if k not in PROMPT_KEYS
+        and k != "token_type_ids"
+        and not (multimodal and k in MULTIMODAL_KEYS)
+    ]
     if not unknown:
         return
     key = unknown[0]
@@ -90,10 +100,13 @@ def _all_ints(ids: list | tuple) -> bool:
 
 
 def normalize_prompts(
-    prompts: PromptType | Sequence[PromptType], token_types: bool = False
+    prompts: PromptType | Sequence[PromptType],
+    token_types: bool = False,
+    multimodal: bool = False,
 ) -> list[dict[str, Any]]:
     """One dict per prompt with either `prompt` or `prompt_token_ids` (and, with
-    `token_types`, a TokensPrompt's `token_type_ids`).
+    `token_types`, a TokensPrompt's `token_type_ids`; with `multimodal`, its
+    `MULTIMODAL_KEYS`, unchecked).
 
     As in vLLM, a string, a dict or a non-empty list of ints is one prompt; a list of them
     (lists of ints included) is many.
@@ -121,12 +134,13 @@ def normalize_prompts(
             check_text(p, f"prompts[{i}]")
             out.append({"prompt": p})
         elif isinstance(p, dict):
-            if PROMPT_KEYS.isdisjoint(p) and _UNSUPPORTED_KEYS.keys().isdisjoint(p):
+            refused = _UNSUPPORTED_KEYS.keys() - (MULTIMODAL_KEYS if multimodal else set())
+            if PROMPT_KEYS.isdisjoint(p) and refused.isdisjoint(p):
                 raise InvalidPromptError(
                     f"prompts[{i}] has keys {sorted(p)}; a prompt dict needs 'prompt' (text) "
                     "or 'prompt_token_ids'"
                 )
-            _check_prompt_keys(p, i, token_types)
+            _check_prompt_keys(p, i, token_types, multimodal)
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not _all_ints(ids):
@@ -148,6 +162,8 @@ def normalize_prompts(
                     )
                 check_text(p["prompt"], f"prompts[{i}]['prompt']")
                 out.append({"prompt": p["prompt"]})
+            if multimodal:
+                out[-1].update((k, p[k]) for k in MULTIMODAL_KEYS if k in p)
         elif isinstance(p, (list, tuple)) and p and _all_ints(p):  # token ids, as in vLLM
             out.append({"prompt_token_ids": list(p), "prompt": None})
         else:

@@ -72,9 +72,10 @@ class LLM(PoolingMixin):
         **kwargs: The other engine options with vLLM's names (`block_size`,
             `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`,
             `kv_cache_dtype`, `speculative_config`, `structured_outputs_config`,
-            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, and LoRA's
+            `scheduling_policy`, `enable_sleep_mode`, `metrics_port`, LoRA's
             `enable_lora`, `max_loras`, `max_lora_rank`, `max_cpu_loras`, `lora_dtype`,
-            ...), and every other option of vLLM 0.26's `EngineArgs` as
+            and for vision-language models `limit_mm_per_prompt` ({"image": n}) and
+            `mm_processor_kwargs`, ...), and every other option of vLLM 0.26's `EngineArgs` as
             `vllm_options.VLLM_OPTIONS` says (no effect, or refused unless at vLLM's
             default). A name that is neither raises `TypeError` listing the valid ones.
 
@@ -502,7 +503,9 @@ class LLM(PoolingMixin):
         try:
             for r, lora in zip(requests, loras, strict=True):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, r.prompt_token_ids, r.params, r.prompt, r.priority, lora)
+                engine.add_request(
+                    rid, r.prompt_token_ids, r.params, r.prompt, r.priority, lora, r.images
+                )
                 request_ids.append(rid)
                 bar.update(1)
         finally:

@@ -21,6 +21,8 @@ from .loader.generation_config import end_of_generation_ids
 from .lora.registry import LoRARegistry
 from .lora.request import LoRARequest
 from .metrics import FinishedRequestStats
+from .multimodal.inputs import ImageInput
+from .multimodal.processor import ImagePromptProcessor
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
@@ -99,6 +101,14 @@ class LLMEngine(EngineBase):
         self.loras = LoRARegistry()
         """The adapters this engine has been given (`add_lora`)."""
         self.outputs = OutputProcessor(self.tokenizer)
+        mm = config.multimodal
+        self.image_processor = (
+            ImagePromptProcessor(mc.path, mm.image_token_id, mm.processor_kwargs)
+            if mm is not None
+            else None
+        )
+        """A vision-language model's processor on the host: prompts with images → token
+        ids with expanded placeholders and prepared images (None: a text model)."""
         self.spec: SpecDecodeManager | None = None
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
         if config.speculative is not None:
@@ -183,13 +193,16 @@ class LLMEngine(EngineBase):
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
-        """Queue a validated request (n > 1 becomes n child requests, of one priority and
-        adapter); its adapter is loaded with `add_lora` if it is new."""
+        """Queue a validated request (n > 1 becomes n child requests, of one priority,
+        adapter and images); its adapter is loaded with `add_lora` if it is new."""
         if lora_request is not None and lora_request.lora_int_id not in self.loras:
             self.add_lora(lora_request)
         if params.n == 1:
-            self._add(request_id, prompt_token_ids, params, prompt, None, priority, lora_request)
+            self._add(
+                request_id, prompt_token_ids, params, prompt, None, priority, lora_request, images
+            )
             return
         # Siblings always share the prompt's full blocks: with prefix caching off, a salt
         # private to this prompt keeps the sharing among them.
@@ -202,7 +215,9 @@ class LLMEngine(EngineBase):
             if params.seed is not None:
                 child.seed = params.seed + i
             self._child_parent[child_id] = (request_id, i)
-            self._add(child_id, prompt_token_ids, child, prompt, salt, priority, lora_request)
+            self._add(
+                child_id, prompt_token_ids, child, prompt, salt, priority, lora_request, images
+            )
 
     def _add(
         self,
@@ -213,6 +228,7 @@ class LLMEngine(EngineBase):
         cache_salt: int | None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         request = Request(
             request_id=request_id,
@@ -223,6 +239,7 @@ class LLMEngine(EngineBase):
             cache_salt=cache_salt,
             priority=priority,
             lora_request=lora_request,
+            images=images,
         )
         self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:

@@ -56,7 +56,10 @@ def _refused(reason: str, *accepted: Any) -> VllmOption:
     return VllmOption(Treatment.REFUSED, reason, accepted)
 
 
-_MULTIMODAL = "batchlm serves text models; prompts with images, audio or video are refused"
+_MULTIMODAL = (
+    "images go through the checkpoint's Hugging Face processor in the calling process and "
+    "the vision tower's outputs are cached by content hash; video and audio are refused"
+)
 _DATA_PARALLEL = (
     "data parallelism is one LLM per device: run one LLM per process, or the Ray Data / "
     "Spark operators (batchlm.operators), which place one engine per worker"
@@ -392,11 +395,11 @@ VLLM_OPTIONS: dict[str, VllmOption] = {
     "enable_mixed_moe_lora_format": _refused(_LORA_EXPERTS),
     "enable_moe_shared_loras": _refused(_LORA_EXPERTS),
     # ---- multimodal ------------------------------------------------------------------------
-    "limit_mm_per_prompt": _no_effect(_MULTIMODAL),
+    "limit_mm_per_prompt": _SAME,
     "enable_mm_embeds": _no_effect(_MULTIMODAL),
     "interleave_mm_strings": _no_effect(_MULTIMODAL),
     "media_io_kwargs": _no_effect(_MULTIMODAL),
-    "mm_processor_kwargs": _no_effect(_MULTIMODAL),
+    "mm_processor_kwargs": _SAME,
     "mm_processor_cache_gb": _no_effect(_MULTIMODAL, 4),
     "mm_processor_cache_type": _no_effect(_MULTIMODAL, "lru"),
     "mm_shm_cache_max_object_size_mb": _no_effect(_MULTIMODAL, 128),

@@ -12,7 +12,9 @@ window are not freed early (with global layers, as in Gemma 2 / 3, they are need
 which keeps prefix caching and preemption unchanged. A request of a LongRoPE model that
 outgrew the model's short context (`Request.long_context`) hashes its blocks apart from a
 short sequence's with the same tokens: they hold other keys. So does a request that runs a
-LoRA adapter (by the adapter's id): two adapters never share a block.
+LoRA adapter (by the adapter's id): two adapters never share a block. A block that holds
+placeholder tokens of an image hashes the image's content hash and offset with its tokens:
+the same prompt with another image never shares it, and with the same image it does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..multimodal.inputs import ImageInput
 from .request import Request
 
 _ROOT_HASH = 0x6261746368
@@ -30,15 +33,36 @@ _LONG_CONTEXT_SALT = 0x6C6F6E67
 _LORA_SALT = 0x6C6F7261
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: int | None = None) -> int:
+def hash_block(
+    parent_hash: int | None,
+    token_ids: Sequence[int],
+    salt: int | None = None,
+    extra_keys: tuple = (),
+) -> int:
     """Chained hash of one full block: equal only when the whole prefix (and salt) is equal.
+
+    `extra_keys` holds what the tokens do not say about the block's KV: the (content hash,
+    offset) of each image whose placeholder tokens overlap it, so that the same prompt
+    with another image never shares a block.
 
     Python's hash of a tuple of ints is deterministic across runs (no hash randomisation for
     ints); a 64-bit collision between different prefixes is negligible at cache sizes.
     """
     if parent_hash is None:
         parent_hash = _ROOT_HASH if salt is None else hash((_ROOT_HASH, salt))
+    if extra_keys:
+        return hash((parent_hash, tuple(token_ids), extra_keys))
     return hash((parent_hash, tuple(token_ids)))
+
+
+def image_keys(images: Sequence[ImageInput], start: int, end: int) -> tuple:
+    """The (content hash, offset) of each image whose placeholder tokens overlap the
+    positions `[start, end)`."""
+    return tuple(
+        (image.content_hash, image.offset)
+        for image in images
+        if image.offset < end and image.end > start
+    )
 
 
 @dataclass(eq=False)
@@ -222,10 +246,12 @@ class KVCacheManager:
             salt = hash((salt, _LONG_CONTEXT_SALT))
         if request.lora_int_id:  # and under another adapter
             salt = hash((salt, _LORA_SALT, request.lora_int_id))
+        images = request.images
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start : start + bs], salt))
+            extra = image_keys(images, start, start + bs) if images else ()
+            hashes.append(hash_block(parent, tokens[start : start + bs], salt, extra))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens.

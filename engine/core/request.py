@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from ..lora.request import LoRARequest
+from ..multimodal.inputs import ImageInput
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 
@@ -75,6 +76,9 @@ class Request:
     last); ties go by arrival. Ignored under `fcfs`."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, by placeholder offset (a vision-language model's); their
+    placeholder tokens take the vision tower's rows as input embeddings."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:

@@ -26,7 +26,11 @@ one); draft tokens of a short request stop at the length.
 With LoRA adapters (`max_loras`), the running requests use at most `max_loras` distinct
 adapters: a waiting request whose adapter would be one too many stops admission until a
 running adapter's requests are done (first come, first served: a call with more adapters
-than slots completes in order of arrival). Pure Python: no tensors.
+than slots completes in order of arrival).
+
+A prompt's images need no decision here: each scheduled request names the images whose
+placeholder tokens overlap its step (a chunk may end inside one), and the runner brings
+their vision-tower rows. Pure Python: no tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..lora.request import LoRARequest
+from ..multimodal.inputs import ImageInput
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
@@ -78,6 +83,9 @@ class ScheduledRequest:
     long-context rows of the rotary table."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    images: tuple[ImageInput, ...] = ()
+    """The request's images whose placeholder tokens overlap this step's (a chunk may
+    start or end inside one): the runner needs their vision-tower rows."""
 
 
 @dataclass
@@ -332,6 +340,9 @@ class Scheduler:
             block_row=self.kv_cache.block_rows.get(request.request_id, -1),
             long_context=request.long_context,
             lora_request=request.lora_request,
+            images=_overlapping_images(request.images, start, start + len(token_ids))
+            if request.images
+            else (),
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -469,3 +480,10 @@ def _samples_from_outputs(request: Request) -> bool:
     return (
         request.reads_outputs or len(request.output_token_ids) < request.sampling_params.min_tokens
     )
+
+
+def _overlapping_images(
+    images: tuple[ImageInput, ...], start: int, end: int
+) -> tuple[ImageInput, ...]:
+    """The images with placeholder tokens in positions `[start, end)`."""
+    return tuple(image for image in images if image.offset < end and image.end > start)

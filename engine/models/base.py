@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -44,3 +45,32 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """`(num_layers, num_kv_heads, head_dim)` of the cache this model needs."""
+
+
+class VisionLanguageModel(CausalLM):
+    """A decoder that also takes images: the runner encodes a step's images
+    (`encode_images`), scatters their rows into the input embeddings of the step's tokens
+    (`embed_input_ids`) at the images' placeholder tokens, and passes those to `forward`.
+    Built with `multimodal_config=` (the checkpoint's whole transformers config)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """As `CausalLM.forward`; with `inputs_embeds`, those are the decoder's inputs
+        (`input_ids` is then not read)."""
+
+    @abstractmethod
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens]` → the text embeddings `[num_tokens, hidden_size]`."""
+
+    @abstractmethod
+    def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The processor's tensors of n images, concatenated along dim 0 (for LLaVA
+        `pixel_values` `[n, 3, H, W]`) → one `[num_placeholder_tokens_i, hidden_size]`
+        tensor per image: row j is the input embedding of its j-th placeholder token."""

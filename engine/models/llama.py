@@ -197,8 +197,11 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        """`inputs_embeds` (`[num_tokens, hidden_size]`, a vision-language model's text and
+        image rows) replaces the embedding of `input_ids`."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)

@@ -24,16 +24,31 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     # Multimodal checkpoints whose language model runs on text prompts alone.
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
+    # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 _TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
+_VISION_LANGUAGE = {"LlavaForConditionalGeneration"}
+
+
+def is_vision_language(architecture: str) -> bool:
+    """Whether the architecture takes images in prompts (its model has a vision tower)."""
+    return architecture in _VISION_LANGUAGE
+
+
+def runs_language_model_only(architecture: str) -> bool:
+    """Whether the architecture is a multimodal checkpoint served on text alone (its vision
+    tower not loaded)."""
+    return architecture in _TEXT_ONLY
 
 
 def text_config_of(hf_config: Any) -> Any:
-    """The config the engine runs: for a multimodal checkpoint served as text (`_TEXT_ONLY`),
-    its language model's config, keeping the architecture name and the dtype; any other
-    config as it is."""
+    """The config the engine runs: for a multimodal checkpoint (`_TEXT_ONLY`, or a vision-
+    language model, whose whole config is `MultiModalConfig.hf_config`), its language
+    model's config, keeping the architecture name and the dtype; any other config as it
+    is."""
     archs = getattr(hf_config, "architectures", None) or []
-    if not archs or archs[0] not in _TEXT_ONLY:
+    if not archs or archs[0] not in _TEXT_ONLY | _VISION_LANGUAGE:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
     text.architectures = [archs[0]]
@@ -140,6 +155,11 @@ def pooling_task_of(architecture: str, convert: str) -> str:
         return task
     if architecture in _DECODER_CLASSIFIERS:
         return "classify"
+    if architecture in _VISION_LANGUAGE:
+        raise UnsupportedModelError(
+            f"{architecture} (a vision-language model) cannot be used for pooling; load it "
+            "with runner='generate' (or 'auto')"
+        )
     if architecture in _GENERATIVE:
         if convert in ("auto", "embed"):
             return "embed"

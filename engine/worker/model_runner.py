@@ -36,10 +36,12 @@ from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutpu
 from ..loader.weights import build_model
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
+from ..models.base import VisionLanguageModel
 from ..models.layers.linear import make_batch_invariant
 from ..models.registry import get_model_class
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
+from .encoder_cache import ImageEmbedder, step_images
 from .grammar_mask import GrammarMaskSource, apply_grammar
 from .prompt_logprobs import (
     PromptLogprobsJob,
@@ -152,12 +154,19 @@ class ModelRunner:
         """Blocks of the engine's KV cache (`initialize_kv_cache`; kept while asleep)."""
         self.sleep_state = RunnerSleep(self)
         """Sleep mode: which of this rank's device memory is asleep (`sleep`, `wake_up`)."""
+        self.images: ImageEmbedder | None = None
+        """A vision-language model's image rows: the tower's outputs cached by content
+        hash, scattered into the input embeddings of each step (None: a text model)."""
+        if isinstance(self.model, VisionLanguageModel) and config.multimodal is not None:
+            self.images = ImageEmbedder(self.device, config.multimodal.encoder_cache_rows)
 
     def load_model(self, path: str | None = None) -> None:
         """Build the model and fill its weights: from the checkpoint (or the folder `path`),
         or seeded random weights with `load_format="dummy"` (the same at every load)."""
         config = self.config
         model_kwargs = {} if self.tp is None else {"tp": self.tp}
+        if config.multimodal is not None:
+            model_kwargs["multimodal_config"] = config.multimodal.hf_config
         if self.model is not None:  # the old weights go before the new ones arrive
             self.decode_graphs = None  # (its graphs read them)
             self.model = None
@@ -280,6 +289,8 @@ class ModelRunner:
     def free_device_state(self) -> None:
         self.decode_graphs = None  # its graphs hold their memory pool and the KV cache
         self.kv_caches = []
+        if self.images is not None:
+            self.images.cache.clear()
         self._last_samples = None
         self.buffers = None
         if (draft := self._draft()) is not None:
@@ -309,6 +320,7 @@ class ModelRunner:
         self.kv_caches = []
         self.model = None
         self.lora = None
+        self.images = None
 
     @torch.inference_mode()
     def enable_decode_graphs(self, capture: bool = True) -> None:
@@ -354,6 +366,9 @@ class ModelRunner:
         forward is launched, and its mask applied to the logits before sampling.
         """
         self.request_generators.forget(out.finished_request_ids)
+        if self.images is not None:
+            self.images.cache.forget_requests(out.finished_request_ids)
+            self.images.cache.forget_requests(out.preempted_request_ids)
         if self.spec is not None:
             self.spec.before_forward(out)
         if out.is_empty:
@@ -497,6 +512,7 @@ class ModelRunner:
             lora=self.lora.step_inputs([r.lora_request for r in reqs], query_lens)
             if self.lora is not None
             else None,
+            images=step_images(reqs, qsl) if self.images is not None else None,
         )
         return inputs, prompt.jobs
 
@@ -530,7 +546,8 @@ class ModelRunner:
         samples = self._last_samples.token_ids if self._last_samples is not None else None
         if self.lora is not None:
             self.lora.apply_loads(inputs.lora)
-        if graphs is not None and graphs.can_run(inputs):
+        # Steps with image rows run eagerly: a graph embeds token ids only.
+        if graphs is not None and inputs.images is None and graphs.can_run(inputs):
             return graphs.run(inputs, samples)
         qsl, seq_lens = inputs.query_start_loc, inputs.seq_lens
         query_lens = np.diff(qsl)
@@ -548,11 +565,14 @@ class ModelRunner:
             )
             if len(inputs.fill_rows):
                 fill_tokens(input_ids, inputs.fill_rows, inputs.fill_src, samples)
+        embeds = {}
+        if inputs.images is not None:
+            embeds["inputs_embeds"] = self.images.embed(self.model, input_ids, inputs.images)
         self.backend.prepare(metadata)
         if self.lora is None:
-            return self.model(input_ids, positions, self.kv_caches, metadata)
+            return self.model(input_ids, positions, self.kv_caches, metadata, **embeds)
         with self.lora.step(inputs.lora.token_slots if inputs.lora is not None else None):
-            return self.model(input_ids, positions, self.kv_caches, metadata)
+            return self.model(input_ids, positions, self.kv_caches, metadata, **embeds)
 
     # ---- host copies --------------------------------------------------------------
 

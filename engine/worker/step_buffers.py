@@ -34,6 +34,7 @@ from ..attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:
     from ..lora.manager import LoRAStepInputs
+    from .encoder_cache import StepImages
 
 PAD_SLOT = -1
 """Slot of a padded row's token: the KV write kernels skip negative slots."""
@@ -60,6 +61,9 @@ class StepInputs:
     lora: LoRAStepInputs | None = None
     """Each token's adapter slot and the slot loads before the forward (None: no token
     runs an adapter)."""
+    images: StepImages | None = None
+    """The images whose vision-tower rows replace the embedding of the step's placeholder
+    tokens (None: every token embeds its id)."""
 
     @classmethod
     def empty(cls) -> StepInputs:

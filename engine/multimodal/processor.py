@@ -1,0 +1,219 @@
+"""The checkpoint's Hugging Face processor on the host: a prompt with images becomes token
+ids with each image's placeholder tokens expanded, and one `ImageInput` per image (its
+prepared tensors, placeholder range and content hash).
+
+Text prompts go through the processor whole (it tokenizes them, expands each image token
+and prepares the pixels). Token-id prompts hold each image either as one image token,
+expanded here, or already expanded; each image then goes through the processor alone
+(with only its image token as text) for its tensors and its number of placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..errors import InvalidPromptError, UnsupportedModelError
+from .inputs import ImageInput
+
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+
+
+class ProcessedPrompt(NamedTuple):
+    prompt_token_ids: list[int]
+    images: tuple[ImageInput, ...]
+
+
+def content_hash(tensors: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> int:
+    """64-bit hash of an image's prepared tensors (names, dtypes, shapes, bytes) and of the
+    processor kwargs that prepared it."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(json.dumps(dict(kwargs), sort_keys=True, default=repr).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def placeholder_ranges(
+    token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]
+) -> list[tuple[int, int]] | None:
+    """`(offset, length)` of each image's placeholder tokens, the i-th image taking the
+    next `lengths[i]` image tokens, which must be contiguous; None when the image tokens
+    are not exactly that."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(positions) != sum(lengths):
+        return None
+    ranges, start = [], 0
+    for length in lengths:
+        first = positions[start]
+        if positions[start + length - 1] != first + length - 1:
+            return None  # the image's tokens are not one run
+        ranges.append((first, length))
+        start += length
+    return ranges
+
+
+class ImagePromptProcessor:
+    """Prepares the prompts with images of one model (its processor loaded on first use).
+
+    Args:
+        path: The checkpoint folder (its processor files: `processor_config.json`,
+            `preprocessor_config.json`, the tokenizer).
+        image_token_id: The placeholder token id of config.json (`image_token_index`).
+        default_kwargs: `LLM(mm_processor_kwargs=...)`, under each prompt's own.
+    """
+
+    def __init__(
+        self, path: str, image_token_id: int, default_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        self.path = path
+        self.image_token_id = image_token_id
+        self.default_kwargs = dict(default_kwargs or {})
+        self._processor: Any = None
+
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            try:
+                self._processor = AutoProcessor.from_pretrained(self.path, local_files_only=True)
+            except Exception as e:
+                raise UnsupportedModelError(
+                    f"cannot load the image processor of {self.path} ({e}); the folder needs "
+                    "its processor files (processor_config.json, preprocessor_config.json) "
+                    "as the model's save_pretrained / the processor's save_pretrained write them"
+                ) from None
+            if getattr(self._processor, "image_processor", None) is None:
+                raise UnsupportedModelError(
+                    f"{Path(self.path).name}: AutoProcessor loads a "
+                    f"{type(self._processor).__name__}, which prepares no images; add the "
+                    "checkpoint's processor files"
+                )
+        return self._processor
+
+    @property
+    def image_token(self) -> str:
+        """The placeholder's text (`<image>` for LLaVA)."""
+        return self.processor.image_token
+
+    def merged_kwargs(self, prompt_kwargs: Mapping[str, Any] | None, index: int) -> dict:
+        """The engine's `mm_processor_kwargs` updated with the prompt's."""
+        if prompt_kwargs is None:
+            return dict(self.default_kwargs)
+        if not isinstance(prompt_kwargs, Mapping):
+            raise InvalidPromptError(
+                f"prompts[{index}]['mm_processor_kwargs'] is a {type(prompt_kwargs).__name__}; "
+                "pass a dict of the processor's keyword arguments"
+            )
+        return {**self.default_kwargs, **prompt_kwargs}
+
+    def process_text(
+        self, index: int, text: str, images: list[Any], kwargs: Mapping[str, Any]
+    ) -> ProcessedPrompt:
+        """Tokenize `text`, expand its image tokens and prepare `images` in one call."""
+        token = self.image_token
+        num_placeholders = text.count(token)
+        if num_placeholders != len(images):
+            raise InvalidPromptError(
+                f"prompts[{index}] has {num_placeholders} image placeholder(s) {token!r} for "
+                f"{len(images)} image(s); put one {token!r} in the text where each image goes"
+            )
+        out = self._call(index, kwargs, text=[text], images=images)
+        ids = [int(t) for t in out["input_ids"][0]]
+        per_image = self._split(index, out, len(images))
+        runs = _runs(ids, self.image_token_id)
+        if len(runs) == len(images):
+            lengths = [length for _, length in runs]
+        else:  # adjacent images make one run: as many tokens each
+            lengths = [sum(r[1] for r in runs) // max(len(images), 1)] * len(images)
+        ranges = placeholder_ranges(ids, self.image_token_id, lengths)
+        if ranges is None:
+            raise InvalidPromptError(
+                f"prompts[{index}]: the processor's image tokens cannot be assigned to its "
+                f"{len(images)} image(s)"
+            )
+        return ProcessedPrompt(ids, self._inputs(per_image, ranges, kwargs))
+
+    def process_tokens(
+        self, index: int, token_ids: list[int], images: list[Any], kwargs: Mapping[str, Any]
+    ) -> ProcessedPrompt:
+        """Prepare `images` one by one; expand the prompt's image tokens (one per image)
+        or check them (already expanded)."""
+        per_image, lengths = [], []
+        for image in images:
+            out = self._call(index, kwargs, text=[self.image_token], images=[image])
+            per_image.extend(self._split(index, out, 1))
+            lengths.append(sum(1 for t in out["input_ids"][0] if int(t) == self.image_token_id))
+        num_tokens = token_ids.count(self.image_token_id)
+        if num_tokens == len(images) and lengths != [1] * len(images):
+            expanded: list[int] = []
+            lengths_left = iter(lengths)
+            for t in token_ids:
+                expanded.extend([t] * next(lengths_left) if t == self.image_token_id else [t])
+            token_ids = expanded
+        ranges = placeholder_ranges(token_ids, self.image_token_id, lengths)
+        if ranges is None:
+            raise InvalidPromptError(
+                f"prompts[{index}] has {num_tokens} image token(s) (id {self.image_token_id}) "
+                f"for {len(images)} image(s); give one image token per image, or each "
+                f"image's {lengths} tokens expanded in one run"
+            )
+        return ProcessedPrompt(token_ids, self._inputs(per_image, ranges, kwargs))
+
+    def _call(self, index: int, kwargs: Mapping[str, Any], **inputs: Any) -> Mapping[str, Any]:
+        try:
+            return self.processor(**inputs, return_tensors="pt", **kwargs)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise InvalidPromptError(
+                f"prompts[{index}]: the model's processor refused its images or "
+                f"mm_processor_kwargs={dict(kwargs)!r:.120}: {e}"
+            ) from None
+
+    def _split(
+        self, index: int, out: Mapping[str, Any], num_images: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """The processor's image tensors, one dict per image (leading dimension 1)."""
+        per_image: list[dict[str, torch.Tensor]] = [{} for _ in range(num_images)]
+        for key, value in out.items():
+            if key in _TEXT_KEYS:
+                continue
+            if not isinstance(value, torch.Tensor) or value.shape[:1] != (num_images,):
+                raise InvalidPromptError(
+                    f"prompts[{index}]: the processor's {key!r} is not one tensor row per "
+                    f"image ({getattr(value, 'shape', type(value).__name__)} for {num_images})"
+                )
+            for i in range(num_images):
+                per_image[i][key] = value[i : i + 1]
+        return per_image
+
+    @staticmethod
+    def _inputs(
+        per_image: list[dict[str, torch.Tensor]],
+        ranges: list[tuple[int, int]],
+        kwargs: Mapping[str, Any],
+    ) -> tuple[ImageInput, ...]:
+        return tuple(
+            ImageInput(data, offset, length, content_hash(data, kwargs))
+            for data, (offset, length) in zip(per_image, ranges, strict=True)
+        )
+
+
+def _runs(token_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """`(start, length)` of each run of `token_id`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(token_ids):
+        if t != token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -1,0 +1,201 @@
+"""A step's images on the device: which placeholder tokens of the step each image fills
+(`StepImages`, laid out on the host), the vision tower run for the images not encoded yet,
+batched across requests, and its outputs kept by content hash (`EncoderCache`).
+
+An image's rows stay cached while a request still has placeholder tokens of it to compute
+(a prompt chunked through the image, across steps); once no request needs them they join a
+least-recently-used queue bounded in rows, so that a later prompt with the same image
+skips the tower. A finished or preempted request lets go of its images (a preempted one
+takes them again when it runs, usually from that queue).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..core.scheduler import ScheduledRequest
+from ..models.base import VisionLanguageModel
+from ..multimodal.inputs import ImageInput
+
+
+@dataclass
+class StepImages:
+    """The image rows of one step, on the host."""
+
+    images: list[ImageInput]
+    """The images the step reads, one per content hash, in order of first use."""
+    dst_rows: np.ndarray  # [num_image_tokens] int64, the step's token rows they fill
+    segments: list[tuple[int, int, int]]
+    """Per run of `dst_rows` in order: (index in `images`, first row of its embedding,
+    number of rows)."""
+    uses: list[tuple[str, int, bool]] = field(default_factory=list)
+    """(request id, content hash, whether the step computes the image's last placeholder
+    token: the request then needs it no more)."""
+
+
+def step_images(reqs: Sequence[ScheduledRequest], query_start_loc: np.ndarray) -> StepImages | None:
+    """Where the placeholder tokens that `reqs` compute in this step take their rows from;
+    None when they compute none. A chunk may start or end inside an image: only its rows
+    for the chunk's positions are read."""
+    images: list[ImageInput] = []
+    index_of: dict[int, int] = {}
+    dst: list[np.ndarray] = []
+    segments: list[tuple[int, int, int]] = []
+    uses: list[tuple[str, int, bool]] = []
+    for i, r in enumerate(reqs):
+        if not r.images:
+            continue
+        start, end = r.start_pos, r.start_pos + len(r.token_ids)
+        for image in r.images:
+            lo, hi = max(start, image.offset), min(end, image.end)
+            if lo >= hi:
+                continue
+            h = image.content_hash
+            if h not in index_of:
+                index_of[h] = len(images)
+                images.append(image)
+            row = int(query_start_loc[i]) + lo - start
+            dst.append(np.arange(row, row + hi - lo, dtype=np.int64))
+            segments.append((index_of[h], lo - image.offset, hi - lo))
+            uses.append((r.request_id, h, hi == image.end))
+    if not images:
+        return None
+    return StepImages(images, np.concatenate(dst), segments, uses)
+
+
+class EncoderCache:
+    """Vision-tower outputs by content hash, with the requests that still need each.
+
+    Args:
+        max_free_rows: Rows kept for images no request needs (least recently used dropped
+            first past it); images some request needs are never dropped.
+    """
+
+    def __init__(self, max_free_rows: int) -> None:
+        self.max_free_rows = max_free_rows
+        self.entries: dict[int, torch.Tensor] = {}
+        """Content hash → `[num_tokens, hidden_size]` rows."""
+        self.users: dict[int, set[str]] = {}
+        self.by_request: dict[str, set[int]] = {}
+        self.free: OrderedDict[int, None] = OrderedDict()
+        """Entries no request needs, least recently used first."""
+        self.num_free_rows = 0
+        self.num_encoded = 0
+        """Images run through the tower, over the cache's lifetime."""
+
+    def __contains__(self, content_hash: int) -> bool:
+        return content_hash in self.entries
+
+    def put(self, content_hash: int, rows: torch.Tensor) -> None:
+        self.entries[content_hash] = rows
+        self.num_encoded += 1
+        if not self.users.get(content_hash):
+            self._make_free(content_hash)
+
+    def acquire(self, request_id: str, content_hash: int) -> None:
+        users = self.users.setdefault(content_hash, set())
+        if not users and content_hash in self.free:
+            del self.free[content_hash]
+            self.num_free_rows -= len(self.entries[content_hash])
+        users.add(request_id)
+        self.by_request.setdefault(request_id, set()).add(content_hash)
+
+    def release(self, request_id: str, content_hash: int) -> None:
+        users = self.users.get(content_hash)
+        if users is None or request_id not in users:
+            return
+        users.discard(request_id)
+        held = self.by_request.get(request_id)
+        if held is not None:
+            held.discard(content_hash)
+            if not held:
+                del self.by_request[request_id]
+        if not users:
+            del self.users[content_hash]
+            if content_hash in self.entries:
+                self._make_free(content_hash)
+
+    def forget_requests(self, request_ids: Sequence[str] | set[str]) -> None:
+        """The requests need none of their images any more (finished or preempted)."""
+        for rid in request_ids:
+            for content_hash in list(self.by_request.get(rid, ())):
+                self.release(rid, content_hash)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.users.clear()
+        self.by_request.clear()
+        self.free.clear()
+        self.num_free_rows = 0
+
+    def _make_free(self, content_hash: int) -> None:
+        self.free[content_hash] = None
+        self.free.move_to_end(content_hash)
+        self.num_free_rows += len(self.entries[content_hash])
+        while self.num_free_rows > self.max_free_rows and self.free:
+            oldest, _ = self.free.popitem(last=False)
+            self.num_free_rows -= len(self.entries.pop(oldest))
+
+
+class ImageEmbedder:
+    """Turns a step's token ids and images into the language model's input embeddings.
+
+    Args:
+        device: The model's device.
+        max_free_rows: See `EncoderCache`.
+    """
+
+    def __init__(self, device: torch.device, max_free_rows: int) -> None:
+        self.device = device
+        self.cache = EncoderCache(max_free_rows)
+
+    def embed(
+        self, model: VisionLanguageModel, input_ids: torch.Tensor, step: StepImages
+    ) -> torch.Tensor:
+        """`[num_tokens]` ids → `[num_tokens, hidden_size]` embeddings: the text embedding
+        of each token, the image's row at its placeholder tokens (`model`'s tower,
+        projector and text embedding; the runner's model of the moment, which a reload
+        replaces)."""
+        cache = self.cache
+        for rid, content_hash, _ in step.uses:  # before encoding: nothing needed is dropped
+            cache.acquire(rid, content_hash)
+        missing = [image for image in step.images if image.content_hash not in cache]
+        for batch in _batches(missing):
+            data = {
+                key: torch.cat([image.data[key] for image in batch]).to(self.device)
+                for key in batch[0].data
+            }
+            for image, rows in zip(batch, model.encode_images(data), strict=True):
+                if len(rows) != image.length:
+                    raise RuntimeError(
+                        f"the vision tower gave {len(rows)} rows for an image with "
+                        f"{image.length} placeholder tokens"
+                    )
+                cache.put(image.content_hash, rows)
+        embeds = model.embed_input_ids(input_ids)  # [num_tokens, hidden_size]
+        rows = torch.cat(
+            [
+                cache.entries[step.images[i].content_hash][first : first + n]
+                for i, first, n in step.segments
+            ]
+        )
+        dst = torch.from_numpy(step.dst_rows).to(self.device, non_blocking=True)
+        embeds[dst] = rows.to(embeds.dtype)
+        for rid, content_hash, done in step.uses:
+            if done:
+                cache.release(rid, content_hash)
+        return embeds
+
+
+def _batches(images: list[ImageInput]) -> list[list[ImageInput]]:
+    """Images whose tensors can be concatenated (same names, same shapes past dim 0)."""
+    groups: dict[tuple, list[ImageInput]] = {}
+    for image in images:
+        key = tuple((k, tuple(t.shape[1:]), t.dtype) for k, t in sorted(image.data.items()))
+        groups.setdefault(key, []).append(image)
+    return list(groups.values())
