@@ -31,17 +31,17 @@ SHRINK_BLOCK_K = 128
 SHRINK_WARPS = 4
 EXPAND_BLOCK_N = 256
 EXPAND_WARPS = 4
-EXPAND_BLOCK_N_LARGE_TILES = 128
+EXPAND_BLOCK_N_LARGE_TILES = 64
 """For tiles of `batch.LARGE_TILE_ROWS` rows (prefill steps): a `[64, 256]` float32 tile
 would not fit the registers of 4 warps."""
 EXPAND_WARPS_LARGE_TILES = 4
 FUSED_BLOCK_N = 256
 FUSED_BLOCK_K = 1024
 FUSED_WARPS = 4
-ACT_SHRINK_BLOCK = 512
+ACT_SHRINK_BLOCK = 128
 """Columns per program of the activation that does `down_proj`'s shrink (28 programs at
 Llama-3.1-8B's 14,336): not measured yet."""
-ACT_SHRINK_WARPS = 4
+ACT_SHRINK_WARPS = 8
 
 
 class LinearLoRA:
