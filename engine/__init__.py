@@ -4,6 +4,7 @@ from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .errors import (
     EngineDeadError,
     EngineSleepingError,
+    ImageReadError,
     InvalidParamError,
     InvalidPromptError,
     ModelNotFoundError,
@@ -52,6 +53,7 @@ __all__ = [
     "BeamSearchSequence",
     "EngineDeadError",
     "EngineSleepingError",
+    "ImageReadError",
     "InvalidParamError",
     "InvalidPromptError",
     "ModelNotFoundError",

@@ -61,11 +61,15 @@ def is_batch_of_conversations(messages: Any) -> bool:
     )
 
 
-def validate_conversation(messages: Any, index: int | None = None) -> list[dict[str, Any]]:
+def validate_conversation(
+    messages: Any, index: int | None = None, keep_content_parts: bool = False
+) -> list[dict[str, Any]]:
     """Check one conversation and return a normalised copy ready for a chat template.
 
-    Text content parts (`[{"type": "text", "text": ...}, ...]`) are joined with newlines,
-    an assistant message with `tool_calls` and no content gets `content=""`, and tool-call
+    Text content parts (`[{"type": "text", "text": ...}, ...]`) are joined with newlines
+    (or, with `keep_content_parts`, every content becomes a list of text parts and the
+    `{"type": "image"}` parts `multimodal.chat_images` left, for templates that iterate
+    a message's parts), an assistant message with `tool_calls` and no content gets `content=""`, and tool-call
     `arguments` given as a JSON string are parsed into a dict (what Hugging Face templates
     expect). The input is not modified.
 
@@ -74,8 +78,11 @@ def validate_conversation(messages: Any, index: int | None = None) -> list[dict[
             optionally `name`, `tool_calls`, `tool_call_id`, `reasoning_content`.
         index: The conversation's position in a batch, named in error messages.
 
+        keep_content_parts: Keep content as a list of parts (see above).
+
     Returns:
-        A new list of new message dicts whose `content` is a string.
+        A new list of new message dicts whose `content` is a string (a list of parts
+        with `keep_content_parts`).
 
     Raises:
         InvalidPromptError: naming the conversation, the message and the fix.
@@ -88,10 +95,13 @@ def validate_conversation(messages: Any, index: int | None = None) -> list[dict[
         )
     if not messages:
         raise InvalidPromptError(f"{where} is empty; it needs at least one message")
-    return [_validate_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
+    return [
+        _validate_message(m, f"{where}, message {i}", keep_content_parts)
+        for i, m in enumerate(messages)
+    ]
 
 
-def _validate_message(message: Any, where: str) -> dict[str, Any]:
+def _validate_message(message: Any, where: str, keep_parts: bool) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise InvalidPromptError(
             f"{where} is a {type(message).__name__}; each message must be a dict such as "
@@ -131,7 +141,9 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
                 "tool_calls may leave it out"
             )
         content = ""  # as vLLM: a tool-calling turn with no text renders as empty content
-    out["content"] = _content_text(content, where)
+    out["content"] = _content_text(content, where, keep_parts)
+    if keep_parts:
+        out["content"] = _content_parts(content, where)
 
     for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
         value = message.get(key)
@@ -145,10 +157,25 @@ def _validate_message(message: Any, where: str) -> dict[str, Any]:
     for key, value in out.items():
         if isinstance(value, str):
             check_text(value, f"{where}, {key}")
+        elif key == "content":
+            for j, part in enumerate(value):
+                if "text" in part:
+                    check_text(part["text"], f"{where}, content part {j}")
     return out
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """Content as a list of new `{"type": "text", "text": ...}` and `{"type": "image"}`
+    parts (already checked by `_content_text`, images aside)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [
+        {"type": "image"} if part.get("type") == "image" else {"type": "text", "text": part["text"]}
+        for part in content
+    ]
+
+
+def _content_text(content: Any, where: str, keep_parts: bool = False) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, (list, tuple)):
@@ -165,11 +192,14 @@ def _content_text(content: Any, where: str) -> str:
                 "{'type': 'text', 'text': ...}"
             )
         kind = part.get("type")
+        if keep_parts and kind == "image" and part.keys() == {"type"}:
+            continue  # an image part already taken out (`multimodal.chat_images`)
         if kind != "text":
             raise InvalidPromptError(
-                f"{part_where} has type={kind!r}; batchlm serves text-only models, so only "
-                "{'type': 'text', 'text': ...} parts are supported (drop images and audio, "
-                "or describe them in text)"
+                f"{part_where} has type={kind!r}; this is a text-only model, so only "
+                "{'type': 'text', 'text': ...} parts are supported (images need a "
+                "vision-language model such as LlavaForConditionalGeneration; drop audio "
+                "and video, or describe them in text)"
             )
         text = part.get("text")
         if not isinstance(text, str):
@@ -265,6 +295,7 @@ def render_chat_text(
     continue_final_message: bool = False,
     tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    keep_content_parts: bool = False,
 ) -> str:
     """The prompt text the chat template makes of one conversation.
 
@@ -279,12 +310,14 @@ def render_chat_text(
         tools: Tool JSON schemas (or Python functions) handed to the template as `tools`.
         chat_template_kwargs: Extra template variables (e.g. `enable_thinking`); as in
             vLLM, they override the named arguments above when both are given.
+        keep_content_parts: Messages reach the template as lists of parts (vLLM's
+            `openai` content format; see `validate_conversation`).
 
     Raises:
         InvalidParamError: no template, both generation flags, or bad template kwargs.
         InvalidPromptError: a malformed conversation, or the template rejected it.
     """
-    messages = validate_conversation(conversation)
+    messages = validate_conversation(conversation, keep_content_parts=keep_content_parts)
     kwargs: dict[str, Any] = {
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final_message,

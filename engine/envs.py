@@ -105,3 +105,31 @@ def fault_injection() -> str | None:
     """BATCHLM_FAULT_INJECTION: tests only; a JSON `FaultPlan` of failures on demand, read in
     every process by `batchlm.operators.fault_injection` (unset: none)."""
     return os.environ.get("BATCHLM_FAULT_INJECTION") or None
+
+
+def image_fetch_timeout_s() -> float:
+    """BATCHLM_IMAGE_FETCH_TIMEOUT (or vLLM's VLLM_IMAGE_FETCH_TIMEOUT): seconds an
+    `http(s)://` image may take to connect or to send its next bytes (default 5, as vLLM)."""
+    for name in ("BATCHLM_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if seconds <= 0:
+                raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
+            return seconds
+    return 5.0
+
+
+def image_fetch_retries() -> int:
+    """BATCHLM_IMAGE_FETCH_RETRIES: further attempts at an `http(s)://` image after a
+    connection error, a timeout or a 5xx / 429 answer (default 2; other 4xx answers are
+    not retried)."""
+    value = os.environ.get("BATCHLM_IMAGE_FETCH_RETRIES", "").strip()
+    if not value:
+        return 2
+    if not value.isdigit():
+        raise ValueError(f"BATCHLM_IMAGE_FETCH_RETRIES={value!r} must be a whole number >= 0")
+    return int(value)

@@ -27,3 +27,8 @@ class EngineDeadError(RuntimeError):
 class EngineSleepingError(RuntimeError):
     """The engine is asleep (`LLM.sleep`): its device memory or its scheduling is paused.
     The message says what `wake_up` call brings it back; nothing queued is lost."""
+
+
+class ImageReadError(InvalidPromptError):
+    """An image that cannot be read: a missing file, an unreachable URL, bytes that do not
+    decode, an empty image. The message names the source and the problem."""

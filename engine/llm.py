@@ -370,12 +370,29 @@ class LLM(PoolingMixin):
         tools: list[dict[str, Any]] | None = None,
         lora_request: Any = None,
         priority: Sequence[int] | None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template;
         `priority` (one int per conversation) as in `generate`.
 
+        On a vision-language model, content parts `{"type": "image_url", "image_url":
+        {"url": ...}}` (a `data:` URL, a local path, a `file://` or `http(s)://` URL) and
+        `{"type": "image_pil", "image_pil": image}` are the prompt's images, in order; the
+        template puts the model's placeholder where each part is. Every image is read
+        before any request starts.
+
+        Args:
+            chat_template_content_format: `auto` (from the template), `string` (content
+                rendered as text, each image as its placeholder) or `openai` (lists of
+                parts), as in vLLM (`multimodal/chat_images.py`).
+            mm_processor_kwargs: The processor's kwargs for these conversations' images.
+
         Example:
             >>> llm.chat([{"role": "user", "content": "Name three colours."}])
+            >>> llm.chat([{"role": "user", "content": [
+            ...     {"type": "image_url", "image_url": {"url": "file:///data/cat.png"}},
+            ...     {"type": "text", "text": "What is in this picture?"}]}])
         """
         prompts = self._chat_prompts(
             messages,
@@ -384,6 +401,8 @@ class LLM(PoolingMixin):
             add_generation_prompt,
             continue_final_message,
             tools,
+            chat_template_content_format,
+            mm_processor_kwargs,
         )
         return self.generate(
             prompts,
@@ -404,6 +423,8 @@ class LLM(PoolingMixin):
         tools: list[dict[str, Any]] | None = None,
         lora_request: Any = None,
         priority: Sequence[int] | None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """`chat`'s inputs, queued like `enqueue`."""
         prompts = self._chat_prompts(
@@ -413,6 +434,8 @@ class LLM(PoolingMixin):
             add_generation_prompt,
             continue_final_message,
             tools,
+            chat_template_content_format,
+            mm_processor_kwargs,
         )
         return self.enqueue(prompts, sampling_params, lora_request=lora_request, priority=priority)
 
@@ -444,29 +467,49 @@ class LLM(PoolingMixin):
         add_generation_prompt: bool,
         continue_final_message: bool,
         tools: list[dict[str, Any]] | None,
+        content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         from . import chat_utils
+        from .multimodal import chat_images
 
         tokenizer = self._require_tokenizer("chat")
+        processor = self.llm_engine.image_processor if self.llm_engine.config.multimodal else None
         if chat_template is None:
             chat_template = self.llm_engine.config.model.chat_template
+        if chat_template is None and processor is not None:
+            # A vision checkpoint's template may live with its processor alone.
+            chat_template = getattr(processor.processor, "chat_template", None)
         template = chat_utils.resolve_chat_template(tokenizer, chat_template)
+        keep_parts = processor is not None and chat_images.uses_content_parts(
+            content_format, chat_images.template_text(tokenizer, template)
+        )
         batch = messages if chat_utils.is_batch_of_conversations(messages) else [messages]
         prompts = []
         for i, conversation in enumerate(batch):
-            conversation = chat_utils.validate_conversation(conversation, index=i)
+            images: list[Any] = []
+            if processor is not None:
+                placeholder = None if keep_parts else processor.image_token
+                conversation, images = chat_images.split_image_parts(conversation, i, placeholder)
+            conversation = chat_utils.validate_conversation(conversation, i, keep_parts)
             kwargs = dict(
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
+                keep_content_parts=keep_parts,
             )
             text = chat_utils.render_chat_text(tokenizer, conversation, **kwargs)
             # Tools and template kwargs reach the text too; the tokenizer cannot take surrogates.
             check_text(text, f"conversation {i} as rendered by the chat template")
             ids = chat_utils.tokenize_chat_text(tokenizer, text)
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+                if mm_processor_kwargs is not None:
+                    prompt["mm_processor_kwargs"] = mm_processor_kwargs
+            prompts.append(prompt)
         return prompts
 
     def _require_generation(self, method: str) -> LLMEngine:

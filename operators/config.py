@@ -101,7 +101,9 @@ class OperatorConfig:
                 "structured_outputs"), the optional generation columns
                 (output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs;
                 all False), and LoRA adapters (lora_modules None: `{name: folder}`;
-                lora_column "lora": each row's adapter name, null for the base model).
+                lora_column "lora": each row's adapter name, null for the base model),
+                and images (image_column "image": each generate / chat row's image;
+                keep_images False: the image column is left out of the output).
                 docs/operators.md says what each does.
 
         Raises:

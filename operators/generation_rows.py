@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from batchlm.engine.sampling_params import SamplingParams
 
+from .image_rows import with_images
 from .loglikelihood import (
     continuation_score,
     encode_pairs,
@@ -64,6 +65,7 @@ def submit_rows(llm: Any, spec: RowSpec, table: pa.Table) -> PendingRows:
         )
     check_columns(spec, table.column_names)
     inputs, errors = row_inputs(spec, table)
+    inputs = with_images(spec, table, inputs, errors)
     context_lens: list[int | None] = []
     if spec.task == "loglikelihood":
         inputs, params, context_lens = _loglikelihood_requests(llm, inputs, errors)

@@ -85,7 +85,8 @@ class ProcessorConfig(OperatorConfig):
             (None), output_token_ids (False), output_logprobs (False), cumulative_logprob
             (False), prompt_logprobs (False), lora_modules (None: LoRA adapters as
             {name: folder or store URI}), lora_column ("lora": each row's adapter name,
-            null for the base model).
+            null for the base model), image_column ("image": each generate / chat row's
+            image), keep_images (False: the image column is left out of the output).
 
     Example:
         >>> config = ProcessorConfig.create(

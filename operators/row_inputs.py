@@ -30,11 +30,13 @@ from .row_spec import ROW_ERRORS, RowSpec
 def row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | None]]:
     """Per row: the engine input (None where the row is already an error) and its error;
     tasks of two input columns give a tuple per row."""
-    names = spec.input_columns
+    names = spec.columns_read(table.column_names)
     columns = [column_values(table.column(c)) for c in names]
     parse: Callable[..., Any]
     if spec.task == "generate":
         parse = prompt_cell
+    elif spec.task == "chat" and names != spec.input_columns:
+        parse = user_message_cell
     elif spec.task == "chat":
         parse = messages_cell
     elif spec.task == "loglikelihood":
@@ -61,6 +63,11 @@ def row_inputs(spec: RowSpec, table: pa.Table) -> tuple[list[Any], list[str | No
             inputs.append(None)
             errors.append(str(e))
     return inputs, errors
+
+
+def user_message_cell(value: Any, column: str) -> list[dict[str, Any]]:
+    """A conversation of one user message: the cell's text."""
+    return [{"role": "user", "content": text_cell(value, column)}]
 
 
 def strip_index(message: str) -> str:

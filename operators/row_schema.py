@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
+from .image_rows import drop_image_column
 from .loglikelihood import LOGLIKELIHOOD_FIELDS
 from .logprob_columns import output_column_fields
 from .lora_rows import check_adapter_column
@@ -54,13 +55,14 @@ def output_fields(spec: RowSpec, info: ModelInfo) -> list[pa.Field]:
 def output_schema(spec: RowSpec, info: ModelInfo, input_schema: pa.Schema) -> pa.Schema:
     """Input columns (passed through) followed by the task's output columns."""
     check_columns(spec, input_schema.names)
-    return pa.schema([*input_schema, *output_fields(spec, info)])
+    kept = drop_image_column(spec, input_schema)
+    return pa.schema([*kept, *output_fields(spec, info)])
 
 
 def check_columns(spec: RowSpec, names: Sequence[str]) -> None:
     """Raises if a needed column is missing, an output column would overwrite an input, or
     an adapter column comes without the spec's `lora_modules`."""
-    missing = [c for c in spec.input_columns if c not in names]
+    missing = [c for c in spec.columns_read(names) if c not in names]
     if missing:
         raise MissingColumnsError(
             f"task {spec.task!r} needs column(s) {missing}, but the input has "
@@ -88,7 +90,8 @@ def attach_outputs(
     errors: list[str | None],
 ) -> pa.Table:
     """`table` with the task's output columns (`arrays`, in `output_fields` order) and the
-    `error` column appended."""
+    `error` column appended (its image column dropped unless the spec keeps it)."""
+    table = drop_image_column(spec, table)
     out_fields = output_fields(spec, info)
     for f, array in zip(out_fields, [*arrays, pa.array(errors, pa.string())], strict=True):
         table = table.append_column(f, array)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -110,6 +110,13 @@ class RowSpec:
     """An optional column of each row's adapter: a name of `lora_modules`, or null for the
     base model; an unknown name fails that row alone. A table with the column needs
     `lora_modules`."""
+    image_column: str = "image"
+    """generate / chat: an optional column of each row's image: encoded bytes, a path or
+    URL, a numpy HWC uint8 array (`ray.data.read_images`), or null for none; a cell that
+    cannot be read fails that row alone (`image_rows.py`)."""
+    keep_images: bool = False
+    """generate / chat: write the image column to the output too; by default it is dropped
+    (images are large, and the input keeps them)."""
     _sampling: SamplingParams | None = field(default=None, init=False, repr=False, compare=False)
     _pooling: PoolingParams | None = field(default=None, init=False, repr=False, compare=False)
     _adapters: LoRAModules | None = field(default=None, init=False, repr=False, compare=False)
@@ -146,6 +153,13 @@ class RowSpec:
                     f"{name} adds a column to generate / chat rows, not to task={self.task!r}; "
                     "drop it"
                 )
+        if not isinstance(self.keep_images, bool):
+            raise RowContractError(f"keep_images={self.keep_images!r} must be true or false")
+        if self.keep_images and self.task not in GENERATION_TASKS:
+            raise RowContractError(
+                f"keep_images: only generate / chat rows read images, not task={self.task!r} "
+                "(its columns all pass through); drop it"
+            )
         try:
             job_constraint(self.task, self.structured_outputs, self.sampling_params)
         except InvalidParamError as e:
@@ -196,6 +210,18 @@ class RowSpec:
     def input_columns(self) -> tuple[str, ...]:
         """The columns this task reads."""
         return tuple(getattr(self, f"{role}_column") for role in self.input_roles)
+
+    def columns_read(self, names: Sequence[str]) -> tuple[str, ...]:
+        """The input columns a table with these columns is read from: `input_columns`,
+        except that `chat` over a table without its messages column but with its prompt
+        column makes each row one user message of that text."""
+        if (
+            self.task == "chat"
+            and self.messages_column not in names
+            and self.prompt_column in names
+        ):
+            return (self.prompt_column,)
+        return self.input_columns
 
     @property
     def output_columns(self) -> tuple[str, ...]:

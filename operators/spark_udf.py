@@ -56,6 +56,7 @@ import pyarrow as pa
 
 from . import fault_injection
 from .config import OperatorConfig
+from .image_rows import dropped_image_column
 from .row_stream import stream_tables
 from .rows import ModelInfo, RowContractError, check_columns, output_fields
 
@@ -426,8 +427,10 @@ def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
 
     Reads the task's columns by the names `config` gives (prompt, messages, text /
     text_pair, context / continuation), and the per-row `sampling_params`,
-    `structured_outputs` and `lora` (adapter name) columns when `df` has them. The output
-    schema is declared before any row runs: `df`'s schema + the task's fields (generate /
+    `structured_outputs` and `lora` (adapter name) columns when `df` has them; generate /
+    chat also read the image column when `df` has it (`image`, or `image_column`: say a
+    `binaryFile` source's `content`), and leave it out of the output unless `keep_images`.
+    The output schema is declared before any row runs: `df`'s schema + the task's fields (generate /
     chat: generated_text, finish_reason, num_input_tokens, num_output_tokens and the
     optional generation columns; embed: embedding array<float> with its length in the field
     metadata `FIXED_SIZE_KEY`; score: score; classify: probs, label; loglikelihood:
@@ -441,7 +444,9 @@ def map_in_arrow(df: DataFrame, config: OperatorConfig) -> DataFrame:
     info = config.model_info()
     fields = output_fields(config.spec, info)
     check_columns(config.spec, df.columns)  # on the driver, before any task starts
-    schema = StructType([*df.schema.fields, *(spark_field(f) for f in fields)])
+    dropped = dropped_image_column(config.spec, df.columns)
+    kept = [f for f in df.schema.fields if f.name != dropped]
+    schema = StructType([*kept, *(spark_field(f) for f in fields)])
     casts = {f.name: _spark_arrow_type(f.type) for f in fields}
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

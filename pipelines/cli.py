@@ -48,7 +48,7 @@ Job keys (see the README's "Jobs" section):
   input               path (file, folder or glob), format (auto|parquet|jsonl|csv),
                       columns (e.g. {prompt: question}; roles: prompt, messages, text,
                       text_pair, context, continuation, sampling_params,
-                      structured_outputs, lora), rows_per_shard
+                      structured_outputs, lora, image), rows_per_shard
   task                generate | chat | embed | score | classify | loglikelihood
   model               a model folder, a .gguf file, or a bundled name
   engine              LLM(...) options: dtype, max_model_len, max_num_seqs, ...
@@ -63,6 +63,7 @@ Job keys (see the README's "Jobs" section):
   runner              local | ray | spark
   output_token_ids, output_logprobs, cumulative_logprob, prompt_logprobs
                       generate / chat: true adds that column
+  keep_images         generate / chat: true writes the image column to the output too
   batch_size, concurrency, num_gpus, max_batch_retries, truncate_prompt_tokens,
   chat_template, chat_template_kwargs
 """

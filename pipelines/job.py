@@ -47,6 +47,7 @@ _PLACEMENT_DEFAULTS = {"concurrency": 1, "num_gpus": None, "max_batch_retries": 
 # apply to every row; a name the job maps it to must exist.
 _PARAMS_COLUMN = RowSpec("generate").sampling_params_column
 _ADAPTER_COLUMN = RowSpec("generate").lora_column
+_IMAGE_COLUMN = RowSpec("generate").image_column
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,9 @@ def plan_job(job: JobSpec) -> JobPlan:
 
 def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Schema) -> None:
     spec = config.spec
-    for role, column in zip(spec.input_roles, spec.input_columns, strict=True):
+    read = spec.columns_read(schema.names)
+    roles = spec.input_roles if read == spec.input_columns else ("prompt",)
+    for role, column in zip(roles, read, strict=True):
         if column not in schema.names:
             raise JobSpecError(
                 f"task {spec.task!r} reads column {column!r} (input.columns.{role}), but "
@@ -134,6 +137,12 @@ def _check_input_columns(config: OperatorConfig, file: InputFile, schema: pa.Sch
         raise JobSpecError(
             f"input.columns.sampling_params names column {column!r}, but {file.path!r} has "
             f"columns {schema.names}; map it to the column of per-row params, or drop it"
+        )
+    column = spec.image_column
+    if column != _IMAGE_COLUMN and spec.task in GENERATION_TASKS and column not in schema.names:
+        raise JobSpecError(
+            f"input.columns.image names column {column!r}, but {file.path!r} has columns "
+            f"{schema.names}; map it to the column of images, or drop it"
         )
     column = spec.lora_column
     if column != _ADAPTER_COLUMN and column not in schema.names:

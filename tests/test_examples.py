@@ -122,6 +122,16 @@ def check_lm_eval_backend(stdout: str) -> None:
     assert float(acc[0]) == pytest.approx(right / 6, abs=1e-3)
 
 
+def check_image_chat(stdout: str) -> None:
+    names = texts(r"^Image: +(.+)$", stdout)
+    assert names == ["blue_square.png", "green_triangle.png", "red_circle.png", "yellow_bar.png"]
+    generated = texts(r"^Generated: +(.+)$", stdout)
+    assert len(generated) == 4 and all(t.strip() for t in generated)
+    prompt = texts(r"^Chat prompt: +(.+)$", stdout)
+    assert prompt == ["USER: <image>\nCompare it with <image>\nASSISTANT:"]
+    assert texts(r"^Chat reply: +(.+)$", stdout)[0].strip()
+
+
 CLUSTERS = ("ray", "pyspark")
 """The front ends whose examples start a local cluster and take `--output`."""
 CHECKS: dict[str, tuple[str | None, Callable[[str], None]]] = {
@@ -133,6 +143,7 @@ CHECKS: dict[str, tuple[str | None, Callable[[str], None]]] = {
     "sampling_params": (None, check_sampling_params),
     "beam_search": (None, check_beam_search),
     "lora_generate": ("peft", check_lora_generate),
+    "image_chat": (None, check_image_chat),
     "ray_generate": ("ray", check_generate_rows),
     "ray_embed": ("ray", check_ray_embed),
     "spark_generate": ("pyspark", check_generate_rows),

@@ -79,12 +79,18 @@ def image_items(data: Any, index: int, limit: int | None) -> list[Any]:
             f"{limit} image(s) may be provided in one prompt.)"
         )
     return [
-        _checked_image(item, f"{where}['image']" + (f"[{i}]" if len(items) > 1 else ""))
+        checked_image(item, f"{where}['image']" + (f"[{i}]" if len(items) > 1 else ""))
         for i, item in enumerate(items)
     ]
 
 
-def _checked_image(item: Any, where: str) -> Any:
+def checked_image(item: Any, where: str) -> Any:
+    """`item` itself when it is a readable, non-empty PIL image or numpy image array.
+
+    Raises:
+        InvalidPromptError: starting with `where`: not an image, empty, undecodable, or an
+            array of another shape or dtype.
+    """
     from PIL import Image
 
     if isinstance(item, Image.Image):

@@ -26,6 +26,7 @@ DEMO_ROWS = {
     "score_demo.yaml": 80,
     "extract_demo.yaml": 16,
     "lora_demo.yaml": 12,
+    "caption_demo.yaml": 4,
 }
 """Each demo job's rows, as the README's table of demos states them."""
 
@@ -136,6 +137,18 @@ def test_lora_demo(tmp_path, capsys):
             for base, adapted in zip(rows[0::3], rows[1 + (name == "blue") :: 3], strict=True)
         ]
         assert any(changed), name
+
+
+def test_caption_demo(tmp_path, capsys):
+    """The tiny LLaVA the example script makes, where the test puts it."""
+    spec = importlib.util.spec_from_file_location("image_chat", EXAMPLES / "image_chat.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.make_model(tmp_path / "tiny_llava")
+    run_demo("caption_demo.yaml", tmp_path / "captions", capsys, f"--set=model={model}")
+    table = read_output(tmp_path / "captions", load_job(REPO / "conf" / "caption_demo.yaml"))
+    assert table.column("file").to_pylist()[0] == "conf/data/images/red_circle.png"
+    assert len(set(table.column("generated_text").to_pylist())) > 1  # the images matter
 
 
 def test_every_demo_runs_over_the_data_in_conf():
