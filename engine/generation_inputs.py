@@ -111,7 +111,23 @@ def _image_prompts(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> dic
             processed[i] = processor.process_tokens(i, p["prompt_token_ids"], found, kwargs)
         else:
             processed[i] = processor.process_text(i, p["prompt"], found, kwargs)
+        if engine.scheduler.has_bidirectional_images:
+            _check_whole_images_fit(engine, i, processed[i].images)
     return processed
+
+
+def _check_whole_images_fit(engine: LLMEngine, index: int, images: Sequence[ImageInput]) -> None:
+    """A model whose image tokens attend both ways computes each image in one step: each
+    must fit the step's token budget."""
+    budget = engine.config.scheduler.max_num_batched_tokens
+    longest = max((image.length for image in images), default=0)
+    if longest > budget:
+        raise InvalidPromptError(
+            f"prompts[{index}] has an image of {longest} placeholder tokens, more than "
+            f"max_num_batched_tokens={budget}; {engine.config.model.architecture} computes "
+            "each image's tokens in one step: raise max_num_batched_tokens to at least "
+            f"{longest}"
+        )
 
 
 def priority_per_prompt(priority: Sequence[int] | None, n: int, policy: str) -> list[int]:

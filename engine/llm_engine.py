@@ -90,13 +90,17 @@ class LLMEngine(EngineBase):
         self._launch_model = self.executor.launch_model
         block_size = config.cache.block_size
         max_len = mc.max_model_len
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        bidirectional = bool(getattr(self.runner.model, "has_bidirectional_images", False))
+        self.kv_cache = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching, bidirectional
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache,
             max_len,
             long_context_len=getattr(self.runner.model, "long_context_len", None),
             max_loras=config.lora.max_loras if config.lora is not None else None,
+            has_bidirectional_images=bidirectional,
         )
         self.loras = LoRARegistry()
         """The adapters this engine has been given (`add_lora`)."""

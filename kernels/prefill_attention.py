@@ -12,6 +12,11 @@ group (GQA). It streams the keys the tile can see (causal, optionally windowed) 
 `BLOCK_N` with an online softmax (FlashAttention-2 style). Scores may be soft-capped
 (`softcap * tanh(score / softcap)`, Gemma 2) before the mask.
 
+Spans that attend both ways (Gemma 3's images): with `key_end`, each query token sees the
+keys below its own key end (the end of its span, else its position + 1) instead of those up
+to its position, still bounded by the window from below; a tile streams keys up to the
+largest key end of its rows. Without `key_end` the kernel compiles to the causal one.
+
 Key tiles start at multiples of `BLOCK_N` (a windowed tile's first one is aligned down),
 and a key a row cannot see adds exact zeros to its sums: so each token's arithmetic
 depends on its own position and keys, never on which tile, chunk or batch it came in. The
@@ -105,12 +110,14 @@ def _attend_key_range(
     stride_ks,
     stride_vb,
     stride_vs,
+    q_key_end,  # [BLOCK_M] HAS_KEY_END: each row sees keys below this
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_END: tl.constexpr,
 ):
     """Online softmax of the tile's rows over keys `[lo, hi)`, from scratch: returns the
     base-2 row maxima `[BLOCK_M]` (`NEG_BIG` for a row that sees none of them), row sums
@@ -130,7 +137,11 @@ def _attend_key_range(
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
         s = scale_scores(s, scale_log2, softcap_log2, HAS_SOFTCAP)
         distance = q_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        visible = (distance >= 0) & (distance < sliding_window) & n_mask[None, :]
+        if HAS_KEY_END:
+            visible = offs_n[None, :] < q_key_end[:, None]
+        else:
+            visible = distance >= 0
+        visible = visible & (distance < sliding_window) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         v = load_paged_tile(
             v_head_ptr, blocks, in_block, offs_d, stride_vb, stride_vs, kv_mask
@@ -147,6 +158,7 @@ def _prefill_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
+    key_end_ptr,  # HAS_KEY_END: [num_tokens] each query token's key end
     out_ptr,  # [num_tokens, num_heads, head_dim] (unused with SPLIT_PROGRAMS)
     partial_ptr,  # SPLIT_PROGRAMS: [num_tokens, num_heads, num_splits, head_dim] float32
     max_sum_ptr,  # SPLIT_PROGRAMS: [2, num_tokens, num_heads, num_splits] float32
@@ -182,6 +194,7 @@ def _prefill_kernel(
     SPLIT_PROGRAMS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_END: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """SPLIT_SIZE == 0: one online softmax over all the keys. Else the keys are split at
@@ -226,6 +239,11 @@ def _prefill_kernel(
     end = context_len + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
     start = tl.maximum(context_len + first_tok - sliding_window + 1, 0)
     start -= start % BLOCK_N  # the same key tiles for every token (see the module docstring)
+    if HAS_KEY_END:  # and past it, to the end of the tile's spans
+        q_key_end = tl.load(key_end_ptr + q_rows, mask=row_mask, other=0)  # [BLOCK_M]
+        end = tl.maximum(end, tl.max(q_key_end, 0))
+    else:
+        q_key_end = q_pos + 1
     table_ptr = block_tables_ptr + seq * stride_bt
     k_head_ptr = key_cache_ptr + kv_head * stride_kh
     v_head_ptr = value_cache_ptr + kv_head * stride_vh
@@ -241,7 +259,8 @@ def _prefill_kernel(
             m_i, l_i, acc = _attend_key_range(
                 q, q_pos, lo, hi, table_ptr, k_head_ptr, v_head_ptr, offs_d, d_mask,
                 scale_log2, softcap_log2, sliding_window, stride_kb, stride_ks, stride_vb,
-                stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+                stride_vs, q_key_end, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE,
+                HAS_SOFTCAP, HAS_KEY_END,
             )  # fmt: skip
             at = q_rows * stride_mt + heads * stride_mh + split  # [BLOCK_M]
             tl.store(max_sum_ptr + at, m_i, mask=row_mask)
@@ -260,7 +279,8 @@ def _prefill_kernel(
             m_i, l_i, acc = _attend_key_range(
                 q, q_pos, start, end, table_ptr, k_head_ptr, v_head_ptr, offs_d, d_mask,
                 scale_log2, softcap_log2, sliding_window, stride_kb, stride_ks, stride_vb,
-                stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+                stride_vs, q_key_end, BLOCK_M, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE,
+                HAS_SOFTCAP, HAS_KEY_END,
             )  # fmt: skip
         else:
             m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -271,8 +291,8 @@ def _prefill_kernel(
                     q, q_pos, tl.maximum(start, split_start),
                     tl.minimum(end, split_start + SPLIT_SIZE), table_ptr, k_head_ptr,
                     v_head_ptr, offs_d, d_mask, scale_log2, softcap_log2, sliding_window,
-                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_M, BLOCK_D, BLOCK_SIZE,
-                    BLOCK_N, DOT_DTYPE, HAS_SOFTCAP,
+                    stride_kb, stride_ks, stride_vb, stride_vs, q_key_end, BLOCK_M, BLOCK_D,
+                    BLOCK_SIZE, BLOCK_N, DOT_DTYPE, HAS_SOFTCAP, HAS_KEY_END,
                 )  # fmt: skip
                 m_i, l_i, acc = merge_split(m_i, l_i, acc, m_s, l_s, acc_s)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -299,12 +319,14 @@ def prefill_attention(
     fixed_split_size: int | None = None,
     max_seq_len: int | None = None,
     split_programs: bool | None = None,
+    key_end: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its whole paged context (both
+    ways within spans, with `key_end`).
 
     Args:
         query: `[num_tokens, num_heads, head_dim]`, the sequences' query tokens back to back.
@@ -333,7 +355,10 @@ def prefill_attention(
             and fold them in a second kernel (more programs for few, long contexts), or
             fold them in the program of the query tile: the same bits either way. None:
             split programs when the step's query tiles alone would leave most SMs idle
-            (needs `max_seq_len`).
+            (needs `max_seq_len`). Never with `key_end`.
+        key_end: `[num_tokens]` int32 / int64: query token t sees the keys at positions
+            below `key_end[t]` (>= its position + 1, <= its sequence's length), back to
+            its window: the end of its span where tokens attend both ways. None: causal.
         block_m, block_n, num_warps, num_stages: Launch overrides (None: the defaults):
             (token, head) rows per tile (a power of two >= 16 and >= the GQA group), keys
             per tile (a power of two >= 16), warps, pipeline stages.
@@ -361,6 +386,15 @@ def prefill_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     check_softcap(softcap)
+    if key_end is not None:
+        check_tensor("key_end", key_end, ndim=1, dtypes=INDEX_DTYPES, shape={0: num_tokens})
+        check_same_device(_prefill_kernel, query=query, key_end=key_end)
+        if split_programs:
+            raise ValueError(
+                "split_programs=True cannot take key_end (its merge assumes causal rows); "
+                "pass split_programs=None"
+            )
+        split_programs = False
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
@@ -412,6 +446,7 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        key_end if key_end is not None else query_start_loc,
         out,
         partial,
         max_sum,
@@ -442,6 +477,7 @@ def prefill_attention(
         SPLIT_PROGRAMS=bool(num_splits),
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
         HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_END=key_end is not None,
         **launch,
         **launch_options(_prefill_kernel, device),
     )
@@ -542,6 +578,7 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_end: torch.Tensor | None = None,  # [num_tokens]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`prefill_attention` in plain PyTorch (float32 math), one sequence at a time."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -562,6 +599,8 @@ def prefill_attention_ref(
         q_pos = positions[seq_len - (end - start) :]
         distance = q_pos[:, None] - positions[None, :]  # [q_len, seq_len]
         visible = distance >= 0
+        if key_end is not None:
+            visible = positions[None, :] < key_end[start:end, None].to(positions.device)
         if sliding_window is not None:
             visible &= distance < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))

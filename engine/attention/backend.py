@@ -9,6 +9,28 @@ import torch
 
 
 @dataclass
+class BidirectionalSpans:
+    """Spans of a step's sequences whose tokens attend to each other both ways (the
+    placeholder tokens of one image, in Gemma 3): a query token inside a span also sees the
+    span's later keys. Everything else stays causal; a sliding window still bounds how far
+    back a token sees (Hugging Face's `sliding AND (causal OR same span)`).
+
+    Each span holds query tokens of the step and lies within its sequence's keys after the
+    step (`seq_lens`): a span is computed whole by the step that computes any of it, or
+    its earlier part was computed whole before (its keys then come from the cache).
+    """
+
+    spans_host: list[tuple[int, int, int]]
+    """`(sequence, first position, end position)` of each span holding query tokens of
+    the step, on the host."""
+    key_end: torch.Tensor  # [num_tokens] int32
+    """Each query token sees keys at positions below this: the end of its span, or its
+    own position + 1 outside every span."""
+    key_end_host: list[int]
+    """`key_end` on the host."""
+
+
+@dataclass
 class AttentionMetadata:
     """Describes one step's batch of variable-length query chunks over the paged cache.
 
@@ -35,6 +57,9 @@ class AttentionMetadata:
     """`max_seq_len` only bounds the contexts and the host lists are not this step's: static
     metadata that a CUDA graph replays for every batch it holds. Kernels then size their
     work from the device tensors alone."""
+    bidirectional: BidirectionalSpans | None = None
+    """Spans whose tokens attend both ways (a step with image tokens of a model that asks
+    for it); None: every sequence is causal."""
 
 
 class AttentionBackend(ABC):
@@ -58,7 +83,8 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's keys / values into the cache, then attend causally over it.
+        """Write this step's keys / values into the cache, then attend causally over it
+        (both ways within `metadata.bidirectional`'s spans).
         `key` and `value` are None after `rotate_into_cache` stored them. `softcap` caps the
         scaled scores (`softcap * tanh(score / softcap)`) before the mask and softmax."""
 

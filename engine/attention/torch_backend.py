@@ -6,6 +6,9 @@ Two paths, chosen per sequence once per step:
 - every other sequence (decode, chunked prefill, prefix-cache hits) has its keys gathered
   from the paged cache into a padded `[num_seqs, max_seq_len, ...]` batch and attends under
   a mask that encodes causality, sequence length and the optional sliding window.
+Spans whose tokens attend both ways (`AttentionMetadata.bidirectional`, Gemma 3's images)
+widen each of their query tokens' keys to the span's end, in the mask of either path; a
+step without them builds exactly the masks above.
 GQA is handled without copying keys: the query heads that share a key head are folded into
 extra query rows. Simple and exact; the Triton backend is checked against it. Soft-capped
 scores (Gemma 2), which SDPA cannot take, are computed as Hugging Face's eager attention
@@ -69,6 +72,24 @@ class _PagedPlan:
 class _TorchPlan:
     fresh: list[tuple[int, int]]  # token ranges of fresh prefills
     paged: list[_PagedPlan]  # groups of similar length, to limit padding
+    fresh_key_end: dict[int, torch.Tensor] = field(default_factory=dict)
+    """First token of a fresh prefill with bidirectional spans → its tokens' key ends."""
+    fresh_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def fresh_mask(self, start: int, sliding_window: int | None) -> torch.Tensor | None:
+        """`[len, len]` mask of the fresh prefill starting at token `start` (None: causal
+        without spans, the plain path)."""
+        key_end = self.fresh_key_end.get(start)
+        if key_end is None:
+            return None
+        mask = self.fresh_masks.get((start, sliding_window))
+        if mask is None:
+            pos = torch.arange(len(key_end), device=key_end.device)
+            mask = pos[None, :] < key_end[:, None]
+            if sliding_window is not None:
+                mask &= pos[:, None] - pos[None, :] < sliding_window
+            self.fresh_masks[(start, sliding_window)] = mask
+        return mask
 
 
 # fp8 KV cache (scale 1.0): the largest e4m3 magnitude; larger keys / values saturate to it.
@@ -113,7 +134,14 @@ class TorchAttentionBackend(AttentionBackend):
                     groups.append(group)
                 group.append(i)
         plans = [self._paged_plan(metadata, g, qsl, seq_lens) for g in groups]
-        metadata.backend_data = _TorchPlan(fresh, plans)
+        plan = _TorchPlan(fresh, plans)
+        spans = metadata.bidirectional
+        if spans is not None:
+            with_spans = {seq for seq, _, _ in spans.spans_host}
+            for i in with_spans:
+                if qsl[i + 1] - qsl[i] == seq_lens[i]:  # a fresh prefill
+                    plan.fresh_key_end[qsl[i]] = spans.key_end[qsl[i] : qsl[i + 1]]
+        metadata.backend_data = plan
 
     @staticmethod
     def _paged_plan(
@@ -132,14 +160,23 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens_t = torch.tensor(q_lens, device=device)
         query_pos = (lens_t - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]
         key_pos = torch.arange(max_k, device=device)
-        valid = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
+        token_index_t = torch.tensor(token_index, device=device)
+        query_dest_t = torch.tensor(query_dest, device=device)
+        key_end = query_pos + 1  # [n, max_q]
+        if metadata.bidirectional is not None:  # wider within the spans
+            key_end = (
+                key_end.view(-1)
+                .index_copy(0, query_dest_t, metadata.bidirectional.key_end.long()[token_index_t])
+                .view(n, max_q)
+            )
+        valid = (key_pos[None, None, :] < key_end[:, :, None]) & (
             key_pos[None, None, :] < lens_t[:, None, None]
         )
         seq_index = torch.tensor(seqs, device=device)
         tables = metadata.block_tables.index_select(0, seq_index).long()
         return _PagedPlan(
-            token_index=torch.tensor(token_index, device=device),
-            query_dest=torch.tensor(query_dest, device=device),
+            token_index=token_index_t,
+            query_dest=query_dest_t,
             block_tables=tables,
             num_seqs=n,
             max_q=max_q,
@@ -186,7 +223,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         for start, end in plan.fresh:
             out[start:end] = _causal_attention(
-                query[start:end], key[start:end], value[start:end], scale, sliding_window, softcap
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                scale,
+                sliding_window,
+                softcap,
+                plan.fresh_mask(start, sliding_window),
             )
         group = num_heads // num_kv_heads
         for paged in plan.paged:
@@ -213,6 +256,8 @@ def _token_by_token_attention(
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
     qsl, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+    spans = metadata.bidirectional
+    key_end = spans.key_end_host if spans is not None else None
     out = torch.empty_like(query)
     for i in range(metadata.num_seqs):
         seq_len, start, end = seq_lens[i], qsl[i], qsl[i + 1]
@@ -224,8 +269,9 @@ def _token_by_token_attention(
         for token in range(start, end):
             pos = seq_len - (end - token)
             first = max(0, pos - sliding_window + 1) if sliding_window is not None else 0
-            k = keys[first : pos + 1].permute(1, 2, 0).contiguous()  # [kv_heads, d, n]
-            v = values[first : pos + 1].transpose(0, 1).contiguous()  # [kv_heads, n, d]
+            last = key_end[token] if key_end is not None else pos + 1
+            k = keys[first:last].permute(1, 2, 0).contiguous()  # [kv_heads, d, n]
+            v = values[first:last].transpose(0, 1).contiguous()  # [kv_heads, n, d]
             q = query[token].view(num_kv_heads, group, head_dim)
             scores = torch.bmm(q, k) * scale  # [kv_heads, group, n]
             if softcap is not None:
@@ -242,10 +288,13 @@ def _causal_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    span_mask: torch.Tensor | None = None,  # [len, len] bool, True: attend
 ) -> torch.Tensor:  # [len, num_heads, head_dim]
+    """Causal (windowed) attention of one fresh sequence; `span_mask` replaces the causal
+    mask where spans attend both ways."""
     length = q.shape[0]
-    mask = None
-    if sliding_window is not None and sliding_window < length:
+    mask = span_mask
+    if mask is None and sliding_window is not None and sliding_window < length:
         pos = torch.arange(length, device=q.device)
         distance = pos[:, None] - pos[None, :]
         mask = (distance >= 0) & (distance < sliding_window)

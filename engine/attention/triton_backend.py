@@ -77,7 +77,11 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        is_decode_only = metadata.max_query_len == 1 and not self.batch_invariant
+        is_decode_only = (
+            metadata.max_query_len == 1
+            and not self.batch_invariant
+            and metadata.bidirectional is None
+        )
         metadata.backend_data = _TritonPlan(is_decode_only=is_decode_only)
 
     def forward(
@@ -132,5 +136,6 @@ class TritonAttentionBackend(AttentionBackend):
             softcap=softcap,
             fixed_split_size=FIXED_SPLIT_SIZE if self.batch_invariant else None,
             max_seq_len=metadata.max_seq_len,
+            key_end=metadata.bidirectional.key_end if metadata.bidirectional else None,
             **tile,
         )

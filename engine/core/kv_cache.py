@@ -15,6 +15,9 @@ short sequence's with the same tokens: they hold other keys. So does a request t
 LoRA adapter (by the adapter's id): two adapters never share a block. A block that holds
 placeholder tokens of an image hashes the image's content hash and offset with its tokens:
 the same prompt with another image never shares it, and with the same image it does.
+For a model whose image tokens attend to each other both ways (`has_bidirectional_images`)
+a cached prefix never ends inside an image: the hit stops at the block boundary before it,
+so that the image is computed whole in one step.
 """
 
 from __future__ import annotations
@@ -183,11 +186,20 @@ class KVCacheManager:
         num_blocks: Blocks in the pool (sized by the model runner from the memory budget).
         block_size: Tokens per block.
         enable_prefix_caching: Share full blocks of identical prefixes.
+        has_bidirectional_images: The model's image tokens attend to each other both ways:
+            a cached prefix stops before any image it would end inside.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        has_bidirectional_images: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.has_bidirectional_images = has_bidirectional_images
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}
@@ -257,7 +269,8 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute, so that the step produces logits, and
-        at most `request.max_cached_tokens` come from the cache.
+        at most `request.max_cached_tokens` come from the cache. With
+        `has_bidirectional_images`, the run ends at a block boundary outside every image.
         """
         if not self._caches(request) or request.max_cached_tokens == 0:
             return ComputedBlocks([], 0)
@@ -272,7 +285,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        num_hit_tokens = len(hits) * self.block_size
+        if self.has_bidirectional_images and request.images and hits:
+            for image in reversed(request.images):  # later images first: each cut goes back
+                if image.offset < num_hit_tokens < image.end:
+                    num_hit_tokens = image.offset // self.block_size * self.block_size
+            hits = hits[: num_hit_tokens // self.block_size]
+        return ComputedBlocks(hits, num_hit_tokens)
 
     def allocate_slots(
         self,

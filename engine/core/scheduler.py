@@ -30,7 +30,12 @@ than slots completes in order of arrival).
 
 A prompt's images need no decision here: each scheduled request names the images whose
 placeholder tokens overlap its step (a chunk may end inside one), and the runner brings
-their vision-tower rows. Pure Python: no tensors.
+their vision-tower rows. Except for a model whose image tokens attend to each other both
+ways (`has_bidirectional_images`, Gemma 3): a step never ends inside an image, so that
+every token of it sees all the others. A chunk that would end inside one stops before it;
+a request whose next image does not fit the budget left waits for a step with room (an
+image longer than `max_num_batched_tokens` is refused before it enters). Pure Python: no
+tensors.
 """
 
 from __future__ import annotations
@@ -134,6 +139,9 @@ class Scheduler:
             adapters). A waiting request whose adapter would be one too many waits, and
             those behind it too (first come, first served), until a running adapter's
             requests are done.
+        has_bidirectional_images: The model's image tokens attend to each other both ways
+            (`VisionLanguageModel.has_bidirectional_images`): no step ends inside an
+            image's placeholder tokens.
     """
 
     def __init__(
@@ -143,8 +151,10 @@ class Scheduler:
         max_model_len: int,
         long_context_len: int | None = None,
         max_loras: int | None = None,
+        has_bidirectional_images: bool = False,
     ):
         self.config = config
+        self.has_bidirectional_images = has_bidirectional_images
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.long_context_len = long_context_len
@@ -220,6 +230,8 @@ class Scheduler:
                 del request.spec_token_ids[self.long_context_len - request.num_scheduled_tokens :]
             num_pending = request.num_scheduled_tokens + len(request.spec_token_ids)
             num_new = min(num_pending - request.num_computed_tokens, budget)
+            if self.has_bidirectional_images and request.images:
+                num_new = whole_images(request.images, request.num_computed_tokens, num_new)
             in_flight = request.num_inflight_tokens
             if num_new <= 0 or (in_flight and not self._can_run_ahead(request)):
                 i += 1  # nothing to do until a token is appended
@@ -271,6 +283,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if self.has_bidirectional_images and request.images:
+                num_new = whole_images(request.images, computed.num_computed_tokens, num_new)
+                if num_new <= 0:
+                    break  # its next image waits for a step with room
             if self.kv_cache.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.popleft()
@@ -480,6 +496,17 @@ def _samples_from_outputs(request: Request) -> bool:
     return (
         request.reads_outputs or len(request.output_token_ids) < request.sampling_params.min_tokens
     )
+
+
+def whole_images(images: tuple[ImageInput, ...], start: int, num_new: int) -> int:
+    """How many of `num_new` tokens from position `start` a step computes so that it ends
+    inside no image: up to the first image it would cut (0 when it starts inside that
+    image, which the step cannot finish)."""
+    end = start + num_new
+    for image in images:  # by offset
+        if image.offset < end < image.end:
+            return max(image.offset - start, 0)
+    return num_new
 
 
 def _overlapping_images(

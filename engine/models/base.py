@@ -53,6 +53,11 @@ class VisionLanguageModel(CausalLM):
     (`embed_input_ids`) at the images' placeholder tokens, and passes those to `forward`.
     Built with `multimodal_config=` (the checkpoint's whole transformers config)."""
 
+    has_bidirectional_images: ClassVar[bool] = False
+    """The placeholder tokens of one image attend to each other both ways (Gemma 3): the
+    runner passes each image's span in the attention metadata, the scheduler computes an
+    image's placeholders in one step, and a cached prefix never ends inside them."""
+
     @abstractmethod
     def forward(
         self,

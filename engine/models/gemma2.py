@@ -120,14 +120,21 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        hidden_states = hidden_states * self._embed_scale(hidden_states.dtype)
+        """`inputs_embeds` (a vision-language model's scaled text embeddings with its image
+        rows, see `embed`) replaces the embedding of `input_ids`."""
+        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens]` → the scaled embeddings `[num_tokens, hidden_size]`."""
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        return hidden_states * self._embed_scale(hidden_states.dtype)
 
     def _embed_scale(self, dtype: torch.dtype) -> float:
         """sqrt(hidden_size) as a float32 scalar rounded to `dtype` (55.4256 → 55.5 in

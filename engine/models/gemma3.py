@@ -53,10 +53,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return None
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The language model of a multimodal Gemma 3 checkpoint, on text prompts: the config is
-    its `text_config` (see `registry.text_config_of`), the vision tower and projector are not
-    loaded, and the language model's tensors are renamed to the text model's."""
+class Gemma3LanguageModelOnly(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint alone (pooling runs it on text):
+    the config is its `text_config` (see `registry.text_config_of`), the vision tower and
+    projector are not loaded, and the language model's tensors are renamed to the text
+    model's. Generation with images is `gemma3_mm.Gemma3ForConditionalGeneration`."""
 
     checkpoint_prefix_renames = (
         ("language_model.model.", "model."),  # as the released checkpoints name them

@@ -22,13 +22,18 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    # Multimodal checkpoints whose language model runs on text prompts alone.
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
     # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
 }
-_TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
-_VISION_LANGUAGE = {"LlavaForConditionalGeneration"}
+_TEXT_ONLY: set[str] = set()
+"""Multimodal checkpoints whose language model runs on text prompts alone."""
+_VISION_LANGUAGE = {"LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"}
+_POOLING_LANGUAGE_MODELS = {
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3LanguageModelOnly"),
+}
+"""Vision-language checkpoints whose language model pools text: architecture → (module,
+class) of the language model alone."""
 
 
 def is_vision_language(architecture: str) -> bool:
@@ -155,7 +160,7 @@ def pooling_task_of(architecture: str, convert: str) -> str:
         return task
     if architecture in _DECODER_CLASSIFIERS:
         return "classify"
-    if architecture in _VISION_LANGUAGE:
+    if architecture in _VISION_LANGUAGE and architecture not in _POOLING_LANGUAGE_MODELS:
         raise UnsupportedModelError(
             f"{architecture} (a vision-language model) cannot be used for pooling; load it "
             "with runner='generate' (or 'auto')"
@@ -189,9 +194,14 @@ def build_pooling_model_kwargs(
     num_labels = None
     if architecture in _DECODER_CLASSIFIERS:
         num_labels = int(getattr(config, "num_labels", 2))
+    if architecture in _POOLING_LANGUAGE_MODELS:
+        module_name, cls_name = _POOLING_LANGUAGE_MODELS[architecture]
+        causal_lm_cls = getattr(importlib.import_module(f"{__package__}.{module_name}"), cls_name)
+    else:
+        causal_lm_cls = get_model_class(generative)
     return DecoderForPooling, {
         "config": config,
-        "causal_lm_cls": get_model_class(generative),
+        "causal_lm_cls": causal_lm_cls,
         "backend": backend,
         "max_position": max_position,
         "num_labels": num_labels,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..attention.backend import BidirectionalSpans
 from ..core.scheduler import ScheduledRequest
 from ..models.base import VisionLanguageModel
 from ..multimodal.inputs import ImageInput
@@ -36,6 +37,10 @@ class StepImages:
     uses: list[tuple[str, int, bool]] = field(default_factory=list)
     """(request id, content hash, whether the step computes the image's last placeholder
     token: the request then needs it no more)."""
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sequence, first position, end position) of each image the step computes
+    placeholder tokens of: the spans whose tokens attend both ways, for the models that
+    ask for it (`bidirectional_spans`)."""
 
 
 def step_images(reqs: Sequence[ScheduledRequest], query_start_loc: np.ndarray) -> StepImages | None:
@@ -47,6 +52,7 @@ def step_images(reqs: Sequence[ScheduledRequest], query_start_loc: np.ndarray) -
     dst: list[np.ndarray] = []
     segments: list[tuple[int, int, int]] = []
     uses: list[tuple[str, int, bool]] = []
+    spans: list[tuple[int, int, int]] = []
     for i, r in enumerate(reqs):
         if not r.images:
             continue
@@ -63,9 +69,33 @@ def step_images(reqs: Sequence[ScheduledRequest], query_start_loc: np.ndarray) -
             dst.append(np.arange(row, row + hi - lo, dtype=np.int64))
             segments.append((index_of[h], lo - image.offset, hi - lo))
             uses.append((r.request_id, h, hi == image.end))
+            spans.append((i, image.offset, image.end))
     if not images:
         return None
-    return StepImages(images, np.concatenate(dst), segments, uses)
+    return StepImages(images, np.concatenate(dst), segments, uses, spans)
+
+
+def bidirectional_spans(
+    step: StepImages, query_start_loc: np.ndarray, seq_lens: np.ndarray, device: torch.device
+) -> BidirectionalSpans:
+    """The step's images as spans whose tokens attend both ways: each query token's key
+    end (see `BidirectionalSpans`)."""
+    num_tokens = int(query_start_loc[-1])
+    query_lens = np.diff(query_start_loc)
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    first_pos = seq_lens - query_lens  # [num_seqs] position of each sequence's first query
+    key_end = np.arange(num_tokens) - query_start_loc[seq_of_token] + first_pos[seq_of_token]
+    key_end += 1
+    for seq, offset, end in step.spans:
+        start = int(first_pos[seq])
+        lo, hi = max(offset, start), min(end, int(seq_lens[seq]))
+        row = int(query_start_loc[seq]) + lo - start
+        key_end[row : row + hi - lo] = end
+    return BidirectionalSpans(
+        spans_host=list(step.spans),
+        key_end=torch.from_numpy(key_end.astype(np.int32)).to(device, non_blocking=True),
+        key_end_host=key_end.tolist(),
+    )
 
 
 class EncoderCache:

@@ -41,7 +41,7 @@ from ..models.layers.linear import make_batch_invariant
 from ..models.registry import get_model_class
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
-from .encoder_cache import ImageEmbedder, step_images
+from .encoder_cache import ImageEmbedder, bidirectional_spans, step_images
 from .grammar_mask import GrammarMaskSource, apply_grammar
 from .prompt_logprobs import (
     PromptLogprobsJob,
@@ -568,6 +568,10 @@ class ModelRunner:
         embeds = {}
         if inputs.images is not None:
             embeds["inputs_embeds"] = self.images.embed(self.model, input_ids, inputs.images)
+            if self.model.has_bidirectional_images:
+                metadata.bidirectional = bidirectional_spans(
+                    inputs.images, qsl, seq_lens, self.device
+                )
         self.backend.prepare(metadata)
         if self.lora is None:
             return self.model(input_ids, positions, self.kv_caches, metadata, **embeds)

@@ -330,3 +330,67 @@ def test_fixed_split_arguments_are_checked(device):
     ]:
         with pytest.raises(ValueError, match=message):
             prefill_attention(*args, **bad)
+
+
+def _key_ends(batch, spans) -> torch.Tensor:
+    """Each query token's key end: its position + 1, or the end of its span (spans as
+    `(sequence, first position, end position)`)."""
+    ends = []
+    for i, (q_len, seq_len) in enumerate(batch):
+        for pos in range(seq_len - q_len, seq_len):
+            end = pos + 1
+            for seq, lo, hi in spans:
+                if seq == i and lo <= pos < hi:
+                    end = hi
+            ends.append(end)
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+# Spans (images) in a fresh prefill, in a chunk after a cached prefix (the span's first
+# part cached), across a query tile, next to each other, and a sequence without any.
+SPAN_BATCH = [(40, 40), (30, 70), (1, 33), (50, 50)]
+SPANS = [(0, 3, 19), (0, 25, 40), (1, 45, 66), (3, 2, 4), (3, 4, 47)]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("fixed_split_size", [None, 32])
+def test_bidirectional_spans_match_reference(sliding_window, fixed_split_size, device):
+    key_end = _key_ends(SPAN_BATCH, SPANS).to(device)
+    launch = {"block_m": 16, "block_n": 16}
+    if fixed_split_size:
+        launch |= {"fixed_split_size": fixed_split_size, "max_seq_len": 70}
+    seq_lens = [s for _, s in SPAN_BATCH]
+    key_cache, value_cache, block_tables = make_paged_cache(
+        seq_lens, 8, NUM_KV_HEADS, 32, torch.float32, device
+    )
+    q_lens = [q for q, _ in SPAN_BATCH]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(sum(q_lens), NUM_KV_HEADS * 2, 32, generator=gen).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, qsl.to(device), 32**-0.5)
+    out = prefill_attention(*args, max(q_lens), sliding_window, key_end=key_end, **launch)
+    ref = prefill_attention_ref(*args, sliding_window, key_end=key_end)
+    assert_close(out, ref, ATTENTION_TOLERANCE)
+    causal = prefill_attention_ref(*args, sliding_window)
+    assert not torch.allclose(ref, causal)  # the spans change the image tokens
+    text = (key_end.cpu() == _key_ends(SPAN_BATCH, [])).nonzero()[:, 0]
+    assert_close(ref[text], causal[text], ATTENTION_TOLERANCE)  # and nothing else
+
+
+def test_bidirectional_spans_arguments_are_checked(device):
+    key_cache, value_cache, block_tables = make_paged_cache([5], 16, 2, 64, torch.float32, device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    query = torch.randn(5, 4, 64, device=device)
+    args = (query, key_cache, value_cache, block_tables, lens, qsl, 1.0, 5)
+    with pytest.raises(ValueError, match="key_end"):
+        prefill_attention(*args, key_end=torch.full((4,), 5, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="split_programs=True cannot take key_end"):
+        prefill_attention(
+            *args,
+            key_end=torch.full((5,), 5, dtype=torch.int32, device=device),
+            fixed_split_size=64,
+            max_seq_len=5,
+            split_programs=True,
+        )
