@@ -245,7 +245,7 @@ class EngineArgs:
     def _multimodal(self, path: Path, hf_config: Any, runner_type: str) -> MultiModalConfig | None:
         """Images in prompts: for a vision-language checkpoint that generates; None (and
         the options checked only) otherwise."""
-        from .models.registry import is_vision_language
+        from .models.registry import is_vision_language, language_model_alone
 
         limit = _image_limit(self.limit_mm_per_prompt)
         kwargs = self.mm_processor_kwargs
@@ -256,6 +256,15 @@ class EngineArgs:
             )
         arch = (getattr(hf_config, "architectures", None) or [""])[0]
         if runner_type != "generate" or not is_vision_language(arch):
+            return None
+        text_only = self.tensor_parallel_size > 1 or self.enable_lora
+        if text_only and language_model_alone(arch) is not None:
+            logger.info(
+                "%s with %s: its language model alone serves text prompts (images need "
+                "tensor_parallel_size=1 and no LoRA adapters)",
+                arch,
+                "tensor parallelism" if self.tensor_parallel_size > 1 else "LoRA adapters",
+            )
             return None
         if self.tensor_parallel_size > 1:
             raise InvalidParamError(

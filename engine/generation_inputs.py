@@ -82,9 +82,17 @@ def _image_prompts(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> dic
         for i, p in enumerate(prompt_dicts):
             key = next((k for k in sorted(MULTIMODAL_KEYS) if k in p), None)
             if key is not None:
-                from .models.registry import runs_language_model_only
+                from .models.registry import is_vision_language, runs_language_model_only
 
                 arch = engine.config.model.architecture or "this model"
+                if is_vision_language(arch):
+                    raise InvalidPromptError(
+                        f"prompts[{i}] has the key {key!r}, but this engine serves {arch}'s "
+                        "language model alone, on text (images are not served with "
+                        "tensor_parallel_size > 1 or enable_lora=True); build the LLM with "
+                        "tensor_parallel_size=1 and without enable_lora for images, or pass "
+                        "text alone"
+                    )
                 why = (
                     "batchlm runs its language model alone, without its vision tower"
                     if runs_language_model_only(arch)

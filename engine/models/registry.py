@@ -29,16 +29,26 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
 _TEXT_ONLY: set[str] = set()
 """Multimodal checkpoints whose language model runs on text prompts alone."""
 _VISION_LANGUAGE = {"LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"}
-_POOLING_LANGUAGE_MODELS = {
+_LANGUAGE_MODEL_ALONE = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3LanguageModelOnly"),
 }
-"""Vision-language checkpoints whose language model pools text: architecture → (module,
-class) of the language model alone."""
+"""Vision-language checkpoints whose language model also runs alone, on text: for pooling,
+and for generation where images cannot be served (tensor parallelism, LoRA adapters).
+Architecture → (module, class) of the language model alone."""
 
 
 def is_vision_language(architecture: str) -> bool:
     """Whether the architecture takes images in prompts (its model has a vision tower)."""
     return architecture in _VISION_LANGUAGE
+
+
+def language_model_alone(architecture: str) -> type[CausalLM] | None:
+    """The class of a vision-language architecture's language model alone (text prompts,
+    the tower not loaded), or None when batchlm has none for it."""
+    entry = _LANGUAGE_MODEL_ALONE.get(architecture)
+    if entry is None:
+        return None
+    return getattr(importlib.import_module(f"{__package__}.{entry[0]}"), entry[1])
 
 
 def runs_language_model_only(architecture: str) -> bool:
@@ -160,7 +170,7 @@ def pooling_task_of(architecture: str, convert: str) -> str:
         return task
     if architecture in _DECODER_CLASSIFIERS:
         return "classify"
-    if architecture in _VISION_LANGUAGE and architecture not in _POOLING_LANGUAGE_MODELS:
+    if architecture in _VISION_LANGUAGE and architecture not in _LANGUAGE_MODEL_ALONE:
         raise UnsupportedModelError(
             f"{architecture} (a vision-language model) cannot be used for pooling; load it "
             "with runner='generate' (or 'auto')"
@@ -194,8 +204,8 @@ def build_pooling_model_kwargs(
     num_labels = None
     if architecture in _DECODER_CLASSIFIERS:
         num_labels = int(getattr(config, "num_labels", 2))
-    if architecture in _POOLING_LANGUAGE_MODELS:
-        module_name, cls_name = _POOLING_LANGUAGE_MODELS[architecture]
+    if architecture in _LANGUAGE_MODEL_ALONE:
+        module_name, cls_name = _LANGUAGE_MODEL_ALONE[architecture]
         causal_lm_cls = getattr(importlib.import_module(f"{__package__}.{module_name}"), cls_name)
     else:
         causal_lm_cls = get_model_class(generative)

@@ -38,7 +38,7 @@ from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..models.base import VisionLanguageModel
 from ..models.layers.linear import make_batch_invariant
-from ..models.registry import get_model_class
+from ..models.registry import get_model_class, is_vision_language, language_model_alone
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
 from .encoder_cache import ImageEmbedder, bidirectional_spans, step_images
@@ -170,8 +170,11 @@ class ModelRunner:
         if self.model is not None:  # the old weights go before the new ones arrive
             self.decode_graphs = None  # (its graphs read them)
             self.model = None
+        model_cls = get_model_class(config.model.architecture)
+        if config.multimodal is None and is_vision_language(config.model.architecture):
+            model_cls = language_model_alone(config.model.architecture) or model_cls
         self.model = build_model(
-            get_model_class(config.model.architecture),
+            model_cls,
             Path(path or config.model.path),
             self.dtype,
             self.device,

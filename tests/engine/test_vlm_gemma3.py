@@ -258,3 +258,15 @@ def test_image_longer_than_the_budget_is_refused(gemma3_path):
     with pytest.raises(InvalidPromptError, match="raise max_num_batched_tokens to at least 16"):
         llm.generate([bad], GREEDY, use_tqdm=False)
     assert len(run(llm, ["text still runs"])[0]) == MAX_TOKENS
+
+
+def test_lora_serves_the_language_model_alone(gemma3_path, expected):
+    """With LoRA adapters (as with tensor parallelism) images are not served, but the
+    checkpoint's language model still serves text, as it did before images were: the same
+    tokens as transformers; an image is refused naming why."""
+    llm = LLM(str(gemma3_path), max_model_len=128, enable_lora=True, max_lora_rank=8)
+    assert llm.llm_engine.config.multimodal is None
+    assert run(llm, ["the capital of France is"]) == expected[2:3]
+    with pytest.raises(InvalidPromptError, match="language model alone.*without enable_lora"):
+        llm.generate([mixed_prompts()[0]], GREEDY, use_tqdm=False)
+    assert run(llm, ["the capital of France is"]) == expected[2:3]
