@@ -26,9 +26,13 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
     # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
 }
 _TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
-_VISION_LANGUAGE = {"LlavaForConditionalGeneration"}
+_VISION_LANGUAGE = {
+    "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+}
 
 
 def is_vision_language(architecture: str) -> bool:
