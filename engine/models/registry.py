@@ -27,11 +27,13 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 _TEXT_ONLY = {"Gemma3ForConditionalGeneration"}
 _VISION_LANGUAGE = {
     "LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 }
 
 
