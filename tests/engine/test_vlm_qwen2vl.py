@@ -199,6 +199,12 @@ def hf_greedy(path: Path, prompts: list, **image_kwargs) -> list[list[int]]:
     return out
 
 
+@lru_cache(maxsize=2)
+def hf_greedy_mixed(path: Path) -> tuple[list[int], ...]:
+    """`hf_greedy` of `mixed_prompts()`, computed once per checkpoint."""
+    return tuple(hf_greedy(path, mixed_prompts()))
+
+
 def run(llm: LLM, prompts: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -252,7 +258,7 @@ def test_mrope_positions_equal_get_rope_index(qwen_vl_factory, case):
 def test_images_and_text_in_one_batch_match_hf(qwen_vl_factory, family):
     path = qwen_vl_factory(family)
     prompts = mixed_prompts()
-    expected = hf_greedy(path, prompts)
+    expected = list(hf_greedy_mixed(path))
     llm = LLM(str(path), max_model_len=256, limit_mm_per_prompt={"image": 2})
     assert run(llm, prompts) == expected
     # The images matter: another image under the same text gives other tokens.
@@ -264,8 +270,15 @@ def test_images_and_text_in_one_batch_match_hf(qwen_vl_factory, family):
 def test_chunked_prefill_through_image_tokens(qwen_vl_factory, family):
     path = qwen_vl_factory(family)
     prompts = mixed_prompts()
-    llm = LLM(str(path), max_model_len=256, max_num_batched_tokens=7, max_num_seqs=4)
-    assert run(llm, prompts) == hf_greedy(path, prompts)
+    llm = LLM(
+        str(path),
+        max_model_len=256,
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        async_scheduling=True,  # decode positions of tokens still in flight
+    )
+    assert llm.llm_engine.config.scheduler.async_scheduling
+    assert run(llm, prompts) == list(hf_greedy_mixed(path))
 
 
 def test_preemption_with_images(qwen_vl_factory):
@@ -278,7 +291,7 @@ def test_preemption_with_images(qwen_vl_factory):
         num_gpu_blocks_override=12,
         enable_prefix_caching=False,
     )
-    assert run(llm, prompts) == hf_greedy(path, prompts)
+    assert run(llm, prompts) == list(hf_greedy_mixed(path)) * 2
     assert llm.llm_engine.stats().num_preemptions > 0
 
 
