@@ -350,6 +350,10 @@ class MultiModalConfig:
     processor_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Keyword arguments of every call to the checkpoint's processor; a prompt's own
     `mm_processor_kwargs` override them."""
+    mrope_merge_size: int | None = None
+    """M-RoPE models (Qwen2-VL): the vision tower's spatial merge, which turns an image's
+    patch grid into its placeholder grid, whose (t, h, w) indices are the tokens' positions
+    (`multimodal/mrope.py`); None: positions are token indices."""
     encoder_cache_rows: int = 16384
     """Vision-tower output rows (one per placeholder token) kept for images no running
     request needs any more, least recently used dropped past it: a later prompt with the

@@ -280,11 +280,15 @@ class EngineArgs:
         from transformers import AutoConfig
 
         full = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        rope = getattr(full.get_text_config(), "rope_parameters", None) or {}
         return MultiModalConfig(
             hf_config=full,
             image_token_id=int(full.image_token_id),
             max_images_per_prompt=limit,
             processor_kwargs=dict(kwargs or {}),
+            mrope_merge_size=int(full.vision_config.spatial_merge_size)
+            if "mrope_section" in rope
+            else None,
         )
 
     def _pooler_config(self, runner_type: str) -> PoolerConfig | None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidParamError, InvalidPromptError
 from .inputs import MULTIMODAL_KEYS, PromptType, normalize_prompts
 from .multimodal.inputs import ImageInput, image_items
+from .multimodal.mrope import MRopePositions, mrope_positions
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class GenerationRequest:
     priority: int
     images: tuple[ImageInput, ...] = ()
     """The prompt's images, prepared (a vision-language model's)."""
+    mrope_positions: MRopePositions | None = None
+    """An M-RoPE model's positions of a prompt with images (None: token indices)."""
 
 
 def prepare_requests(
@@ -63,7 +66,9 @@ def prepare_requests(
                 "(it would cut placeholders); drop truncate_prompt_tokens for it"
             )
         ids = check_prompt(engine, i, ids, params)
-        out.append(GenerationRequest(ids, params, p.get("prompt"), prio, prompt_images))
+        merge = engine.config.multimodal.mrope_merge_size if prompt_images else None
+        mrope = mrope_positions(len(ids), prompt_images, merge) if merge else None
+        out.append(GenerationRequest(ids, params, p.get("prompt"), prio, prompt_images, mrope))
     return out
 
 

@@ -547,7 +547,14 @@ class LLM(PoolingMixin):
             for r, lora in zip(requests, loras, strict=True):
                 rid = str(next(self._request_counter))
                 engine.add_request(
-                    rid, r.prompt_token_ids, r.params, r.prompt, r.priority, lora, r.images
+                    rid,
+                    r.prompt_token_ids,
+                    r.params,
+                    r.prompt,
+                    r.priority,
+                    lora,
+                    r.images,
+                    r.mrope_positions,
                 )
                 request_ids.append(rid)
                 bar.update(1)

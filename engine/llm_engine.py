@@ -22,6 +22,7 @@ from .lora.registry import LoRARegistry
 from .lora.request import LoRARequest
 from .metrics import FinishedRequestStats
 from .multimodal.inputs import ImageInput
+from .multimodal.mrope import MRopePositions
 from .multimodal.processor import ImagePromptProcessor
 from .output_processor import OutputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -198,14 +199,16 @@ class LLMEngine(EngineBase):
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         images: tuple[ImageInput, ...] = (),
+        mrope_positions: MRopePositions | None = None,
     ) -> None:
         """Queue a validated request (n > 1 becomes n child requests, of one priority,
         adapter and images); its adapter is loaded with `add_lora` if it is new."""
+        mm = (images, mrope_positions)
         if lora_request is not None and lora_request.lora_int_id not in self.loras:
             self.add_lora(lora_request)
         if params.n == 1:
             self._add(
-                request_id, prompt_token_ids, params, prompt, None, priority, lora_request, images
+                request_id, prompt_token_ids, params, prompt, None, priority, lora_request, *mm
             )
             return
         # Siblings always share the prompt's full blocks: with prefix caching off, a salt
@@ -219,9 +222,7 @@ class LLMEngine(EngineBase):
             if params.seed is not None:
                 child.seed = params.seed + i
             self._child_parent[child_id] = (request_id, i)
-            self._add(
-                child_id, prompt_token_ids, child, prompt, salt, priority, lora_request, images
-            )
+            self._add(child_id, prompt_token_ids, child, prompt, salt, priority, lora_request, *mm)
 
     def _add(
         self,
@@ -233,6 +234,7 @@ class LLMEngine(EngineBase):
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         images: tuple[ImageInput, ...] = (),
+        mrope_positions: MRopePositions | None = None,
     ) -> None:
         request = Request(
             request_id=request_id,
@@ -244,6 +246,7 @@ class LLMEngine(EngineBase):
             priority=priority,
             lora_request=lora_request,
             images=images,
+            mrope_positions=mrope_positions,
         )
         self.structured.add_request(request)  # may refuse it: before anything else
         if self.metrics is not None:

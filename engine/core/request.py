@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..lora.request import LoRARequest
 from ..multimodal.inputs import ImageInput
+from ..multimodal.mrope import MRopePositions
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 
@@ -79,6 +80,8 @@ class Request:
     images: tuple[ImageInput, ...] = ()
     """The prompt's images, by placeholder offset (a vision-language model's); their
     placeholder tokens take the vision tower's rows as input embeddings."""
+    mrope_positions: MRopePositions | None = None
+    """An M-RoPE model's positions of the prompt (None: token indices)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:

@@ -48,6 +48,7 @@ import numpy as np
 from ..config import SchedulerConfig
 from ..lora.request import LoRARequest
 from ..multimodal.inputs import ImageInput
+from ..multimodal.mrope import MRopePositions
 from ..sampling_params import SamplingParams
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
@@ -91,6 +92,9 @@ class ScheduledRequest:
     images: tuple[ImageInput, ...] = ()
     """The request's images whose placeholder tokens overlap this step's (a chunk may
     start or end inside one): the runner needs their vision-tower rows."""
+    mrope_positions: MRopePositions | None = None
+    """An M-RoPE model's positions of the whole prompt (None: token indices); the runner
+    slices this step's."""
 
 
 @dataclass
@@ -359,6 +363,7 @@ class Scheduler:
             images=_overlapping_images(request.images, start, start + len(token_ids))
             if request.images
             else (),
+            mrope_positions=request.mrope_positions,
         )
 
     def undo_schedule(self, scheduler_output: SchedulerOutput) -> None:

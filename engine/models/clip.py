@@ -28,6 +28,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
 }
 """Hugging Face's `hidden_act` names used by vision towers and projectors → the function."""
 

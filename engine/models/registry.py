@@ -25,10 +25,17 @@ _GENERATIVE: dict[str, tuple[str, str]] = {
     # Vision-language models: images in prompts (`multimodal/`), the vision tower in the model.
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 _TEXT_ONLY: set[str] = set()
 """Multimodal checkpoints whose language model runs on text prompts alone."""
-_VISION_LANGUAGE = {"LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"}
+_VISION_LANGUAGE = {
+    "LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+}
 _LANGUAGE_MODEL_ALONE = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3LanguageModelOnly"),
 }

@@ -2,6 +2,10 @@
 ids with each image's placeholder tokens expanded, and one `ImageInput` per image (its
 prepared tensors, placeholder range and content hash).
 
+Processors that pack the patches of all images into one tensor (Qwen2-VL's `pixel_values`
+`[num_patches, patch_dim]`, with `image_grid_thw` `[num_images, 3]`) are split by each
+image's `t * h * w` patch rows.
+
 Text prompts go through the processor whole (it tokenizes them, expands each image token
 and prepares the pixels). Token-id prompts hold each image either as one image token,
 expanded here, or already expanded; each image then goes through the processor alone
@@ -21,7 +25,7 @@ import torch
 from ..errors import InvalidPromptError, UnsupportedModelError
 from .inputs import ImageInput
 
-_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
 
 class ProcessedPrompt(NamedTuple):
@@ -85,6 +89,10 @@ class ImagePromptProcessor:
 
             try:
                 self._processor = AutoProcessor.from_pretrained(self.path, local_files_only=True)
+            except ImportError:
+                # Qwen2-VL's processor also builds a video processor, which needs torchvision;
+                # images alone do not.
+                self._processor = GridImageProcessor.load(self.path)
             except Exception as e:
                 raise UnsupportedModelError(
                     f"cannot load the image processor of {self.path} ({e}); the folder needs "
@@ -180,10 +188,22 @@ class ImagePromptProcessor:
     def _split(
         self, index: int, out: Mapping[str, Any], num_images: int
     ) -> list[dict[str, torch.Tensor]]:
-        """The processor's image tensors, one dict per image (leading dimension 1)."""
+        """The processor's image tensors, one dict per image (leading dimension 1, or the
+        image's patch rows of a tensor that packs them)."""
         per_image: list[dict[str, torch.Tensor]] = [{} for _ in range(num_images)]
+        grids = out.get("image_grid_thw")
+        patch_rows = grids.prod(-1).tolist() if isinstance(grids, torch.Tensor) else None
         for key, value in out.items():
             if key in _TEXT_KEYS:
+                continue
+            if (
+                patch_rows is not None
+                and isinstance(value, torch.Tensor)
+                and value.shape[:1] == (sum(patch_rows),)
+                and key != "image_grid_thw"
+            ):
+                for i, rows in enumerate(value.split(patch_rows)):
+                    per_image[i][key] = rows
                 continue
             if not isinstance(value, torch.Tensor) or value.shape[:1] != (num_images,):
                 raise InvalidPromptError(
@@ -217,3 +237,44 @@ def _runs(token_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
+
+
+class GridImageProcessor:
+    """A grid processor's image part and tokenizer, called as its processor is for images:
+    each image token of the text becomes `t * h * w / merge_size**2` of them (its merged
+    patch grid, `image_grid_thw`), as Qwen2-VL's processor expands it."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, image_token: str) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.image_token = image_token
+
+    @classmethod
+    def load(cls, path: str) -> GridImageProcessor:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        if not hasattr(image_processor, "merge_size"):
+            raise UnsupportedModelError(
+                f"{Path(path).name}: the processor cannot be loaded and its image processor "
+                f"({type(image_processor).__name__}) has no patch grid to expand placeholders "
+                "by; install the processor's dependencies (torchvision)"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(image_processor, tokenizer, getattr(tokenizer, "image_token", "<|image_pad|>"))
+
+    def __call__(
+        self, text: list[str], images: list[Any], return_tensors: str = "pt", **kwargs: Any
+    ) -> dict[str, Any]:
+        out = dict(self.image_processor(images, return_tensors=return_tensors, **kwargs))
+        merge = kwargs.get("merge_size") or self.image_processor.merge_size
+        counts = iter((out["image_grid_thw"].prod(-1) // merge**2).tolist())
+        expanded = []
+        for t in text:
+            parts = t.split(self.image_token)
+            pieces = [parts[0]]
+            for part in parts[1:]:
+                pieces += [self.image_token * next(counts), part]
+            expanded.append("".join(pieces))
+        out["input_ids"] = self.tokenizer(expanded, return_tensors=return_tensors)["input_ids"]
+        return out

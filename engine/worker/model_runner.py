@@ -39,6 +39,7 @@ from ..lora.request import LoRARequest
 from ..models.base import VisionLanguageModel
 from ..models.layers.linear import make_batch_invariant
 from ..models.registry import get_model_class, is_vision_language, language_model_alone
+from ..multimodal.mrope import step_mrope_positions
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
 from .encoder_cache import ImageEmbedder, bidirectional_spans, step_images
@@ -159,6 +160,10 @@ class ModelRunner:
         hash, scattered into the input embeddings of each step (None: a text model)."""
         if isinstance(self.model, VisionLanguageModel) and config.multimodal is not None:
             self.images = ImageEmbedder(self.device, config.multimodal.encoder_cache_rows)
+        self.uses_mrope = config.multimodal is not None and bool(config.multimodal.mrope_merge_size)
+        """Positions of prompts with images are M-RoPE's (`multimodal/mrope.py`): sliced
+        from each request's, three rows in steps with image tokens (eager), one row (token
+        index + the prompt's delta past it) in every other step."""
 
     def load_model(self, path: str | None = None) -> None:
         """Build the model and fill its weights: from the checkpoint (or the folder `path`),
@@ -486,6 +491,16 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
+        step_images_ = step_images(reqs, qsl) if self.images is not None else None
+        mrope_rows = None
+        if self.uses_mrope and any(r.mrope_positions is not None for r in reqs):
+            positions, mrope_rows = step_mrope_positions(
+                positions,
+                qsl,
+                starts,
+                [r.mrope_positions for r in reqs],
+                with_rows=step_images_ is not None,
+            )
         if any(r.long_context for r in reqs):
             # Long-context sequences read the model's long rotary rows, from its
             # `long_context_len` on (LongRoPE).
@@ -515,7 +530,8 @@ class ModelRunner:
             lora=self.lora.step_inputs([r.lora_request for r in reqs], query_lens)
             if self.lora is not None
             else None,
-            images=step_images(reqs, qsl) if self.images is not None else None,
+            images=step_images_,
+            mrope_positions=mrope_rows,
         )
         return inputs, prompt.jobs
 
@@ -575,6 +591,8 @@ class ModelRunner:
                 metadata.bidirectional = bidirectional_spans(
                     inputs.images, qsl, seq_lens, self.device
                 )
+        if inputs.mrope_positions is not None:
+            positions = to_device(inputs.mrope_positions, self.device)  # [3, num_tokens]
         self.backend.prepare(metadata)
         if self.lora is None:
             return self.model(input_ids, positions, self.kv_caches, metadata, **embeds)

@@ -64,6 +64,9 @@ class StepInputs:
     images: StepImages | None = None
     """The images whose vision-tower rows replace the embedding of the step's placeholder
     tokens (None: every token embeds its id)."""
+    mrope_positions: np.ndarray | None = None
+    """[3, num_tokens] int64: an M-RoPE model's positions in a step with image tokens
+    (eager; `positions` then holds their first row). None: `positions` are the step's."""
 
     @classmethod
     def empty(cls) -> StepInputs:

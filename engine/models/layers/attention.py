@@ -66,7 +66,10 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor | None:
         """`rotary` applied and the keys and values stored in one pass where the backend can
-        (the rotated queries; then call `forward` with no key and value), else None."""
+        (the rotated queries; then call `forward` with no key and value), else None.
+        Multimodal `[3, num_tokens]` positions (M-RoPE) are left to `rotary` itself."""
+        if positions.dim() != 1:
+            return None
         return self.backend.rotate_into_cache(
             positions, query, key, value, rotary.cos_sin.float(), kv_cache, metadata
         )

@@ -225,6 +225,54 @@ class RotaryEmbedding(nn.Module):
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (M-RoPE, Qwen2-VL): a token has three positions
+    (temporal, height, width), and the frequency pairs of `mrope_section` (sizes summing to
+    `rotary_dim // 2`, in that order) rotate by one of them each.
+
+    `[num_tokens]` positions are taken as three equal rows, which is the plain rotary
+    embedding (text tokens, and every decode step: CUDA graphs and the fused kernels see
+    1-D positions only); `[3, num_tokens]` positions (a step with image tokens) look each
+    channel's row up in the same table.
+    """
+
+    def __init__(
+        self, spec: RopeSpec, head_dim: int, max_position: int, mrope_section: list[int]
+    ) -> None:
+        super().__init__(spec, head_dim, max_position)
+        if sum(mrope_section) * 2 != spec.rotary_dim:
+            raise ValueError(
+                f"mrope_section={mrope_section} must sum to rotary_dim / 2 = "
+                f"{spec.rotary_dim // 2}; fix the checkpoint's rope_parameters"
+            )
+        self.mrope_section = list(mrope_section)
+        # [rotary_dim]: which of the three position rows each channel reads
+        self.register_buffer("channel_rows", self._channel_rows(), persistent=False)
+
+    def _channel_rows(self) -> torch.Tensor:
+        half = [torch.full((n,), i % 3) for i, n in enumerate(self.mrope_section)]
+        return torch.cat(half + half)
+
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        self.channel_rows = self._channel_rows().to(self.cos_sin.device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] or [3, num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, query, key)
+        rows = positions[self.channel_rows]  # [rotary_dim, num_tokens]
+        channels = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        cos_sin = self.cos_sin[:, rows, channels].transpose(1, 2)  # [2, num_tokens, rot_dim]
+        cos = cos_sin[0].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, rotary_dim]
+        sin = cos_sin[1].unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
 def _cos_sin(inv_freq: torch.Tensor, attention_factor: float, num_positions: int) -> torch.Tensor:
     t = torch.arange(num_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [num_positions, rotary_dim // 2]

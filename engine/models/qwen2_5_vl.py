@@ -1,0 +1,129 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): Qwen2-VL's design (`qwen2_vl.py`)
+with another vision tower and the same Qwen2 decoder with M-RoPE.
+
+The tower normalises with RMSNorm, its MLPs are gated (SiLU), and most of its layers
+attend within windows of `window_size` pixels square (`window_size / patch_size /
+spatial_merge_size` merged tokens a side) instead of within the whole image; the layers of
+`fullatt_block_indexes` attend within the whole image. The patches are reordered window
+by window before the first layer (by whole 2×2 merge blocks, so the merger still sees each
+block as consecutive rows), and the merged rows are put back in the image's order after
+the merger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .clip import activation_of
+from .layers.linear import MergedLinear
+from .layers.norm import RMSNorm
+from .qwen2_vl import (
+    PatchEmbed,
+    PatchMerger,
+    Qwen2VLForConditionalGeneration,
+    VisionAttention,
+    VisionBlock,
+    VisionRotary,
+    frame_seqlens,
+    patch_positions,
+)
+
+
+def window_layout(
+    grid_thw: list[list[int]], merge: int, window: int
+) -> tuple[np.ndarray, list[int]]:
+    """The window order of the merge blocks of images with patch grids `grid_thw`, and the
+    windows' cumulative patch counts.
+
+    Args:
+        grid_thw: Each image's patch grid `(t, h, w)`.
+        merge: Patches a side of a merge block.
+        window: Merge blocks a side of a window (windows at the right and bottom edges are
+            cut short).
+
+    Returns:
+        `[num_blocks]` the merge blocks (indices in image order) in window order, and the
+        cumulative patch counts of the windows in that order, starting with 0.
+    """
+    order: list[np.ndarray] = []
+    cu = [0]
+    first = 0  # first block of the image
+    unit = merge * merge
+    for t, h, w in grid_thw:
+        rows, cols = h // merge, w // merge
+        blocks = first + np.arange(t * rows * cols).reshape(t, rows, cols)
+        for frame in blocks:
+            for top in range(0, rows, window):
+                for left in range(0, cols, window):
+                    ids = frame[top : top + window, left : left + window].reshape(-1)
+                    order.append(ids)
+                    cu.append(cu[-1] + len(ids) * unit)
+        first += t * rows * cols
+    return np.concatenate(order), cu
+
+
+class GatedVisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(dim, [hidden, hidden], bias=True)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.act = activation_of(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
+
+
+class Qwen2_5_VisionTower(nn.Module):
+    """Qwen2.5-VL's vision transformer (`qwen2_5_vl` vision config)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        dim, heads = config.hidden_size, config.num_heads
+        self.merge = config.spatial_merge_size
+        self.window = config.window_size // config.patch_size // self.merge
+        self.full_attention_layers = set(config.fullatt_block_indexes)
+        self.patch_embed = PatchEmbed(
+            config.in_channels, config.temporal_patch_size, config.patch_size, dim
+        )
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.rotary = VisionRotary(dim // heads, theta)
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                RMSNorm(dim, 1e-6),
+                RMSNorm(dim, 1e-6),
+                VisionAttention(dim, heads),
+                GatedVisionMLP(dim, config.intermediate_size, config.hidden_act),
+            )
+            for _ in range(config.depth)
+        )
+        self.merger = PatchMerger(RMSNorm(dim, 1e-6), dim, config.out_hidden_size, self.merge)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[list[int]]) -> torch.Tensor:
+        """`[num_patches, patch_dim]` of images with patch grids `grid_thw` → `[num_patches
+        / merge², out_hidden_size]`, image after image."""
+        x = self.patch_embed(pixels)  # [num_patches, dim]
+        n, unit = x.shape[0], self.merge**2
+        order, cu_windows = window_layout(grid_thw, self.merge, self.window)
+        order_t = torch.from_numpy(order).to(x.device)
+        x = x.view(n // unit, unit, -1)[order_t].view(n, -1)  # window after window
+        positions = patch_positions(grid_thw, self.merge).to(x.device)
+        positions = positions.view(n // unit, unit, 2)[order_t].view(n, 2)
+        cos_sin = self.rotary(positions)
+        cu_frames = frame_seqlens(grid_thw)
+        for i, block in enumerate(self.blocks):
+            full = i in self.full_attention_layers
+            x = block(x, cos_sin, cu_frames if full else cu_windows)
+        merged = self.merger(x)  # [num_blocks, out_hidden_size], window order
+        return merged[torch.argsort(order_t)]
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the windowed vision tower → merged patch rows → the Qwen2 decoder with
+    M-RoPE (arguments as `Qwen2VLForConditionalGeneration`'s)."""
+
+    vision_tower_cls = Qwen2_5_VisionTower
