@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..attention.backend import AttentionMetadata
+from ..errors import UnsupportedModelError
 
 
 class CausalLM(nn.Module, ABC):
@@ -51,28 +52,47 @@ class VisionLanguageModel(CausalLM):
     """A decoder that also takes images: the runner encodes a step's images
     (`encode_images`), scatters their rows into the input embeddings of the step's tokens
     (`embed_input_ids`) at the images' placeholder tokens, and passes those to `forward`.
-    Built with `multimodal_config=` (the checkpoint's whole transformers config)."""
+    Built with `multimodal_config=` (the checkpoint's whole transformers config); its
+    language model, `language_model` (a family's `CausalLM`), does all but the images."""
 
     has_bidirectional_images: ClassVar[bool] = False
     """The placeholder tokens of one image attend to each other both ways (Gemma 3): the
     runner passes each image's span in the attention metadata, the scheduler computes an
     image's placeholders in one step, and a cached prefix never ends inside them."""
+    language_model: Any
 
-    @abstractmethod
+    @staticmethod
+    def check_built_whole(name: str, multimodal_config: Any, tp: Any) -> Any:
+        """The checkpoint's whole config, or `UnsupportedModelError`: a vision-language
+        model is built from its whole config, on one device."""
+        if multimodal_config is None or tp is not None and tp.world_size > 1:
+            raise UnsupportedModelError(f"{name} needs its whole config and one device")
+        return multimodal_config
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens] ([3, num_tokens] for M-RoPE in image steps)
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         """As `CausalLM.forward`; with `inputs_embeds`, those are the decoder's inputs
         (`input_ids` is then not read)."""
+        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
 
-    @abstractmethod
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`[num_tokens]` → the text embeddings `[num_tokens, hidden_size]`."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def tie_weights(self) -> None:
+        self.language_model.tie_weights()
+
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states, upcast)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        return self.language_model.kv_cache_shape()
 
     @abstractmethod
     def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

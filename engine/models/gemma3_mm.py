@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.backend import AttentionBackend
 from ..errors import UnsupportedModelError
 from .base import VisionLanguageModel
 from .gemma2 import gemma_norm
@@ -101,11 +101,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = multimodal_config
-        if full is None or tp is not None and tp.world_size > 1:
-            raise UnsupportedModelError(
-                "Gemma3ForConditionalGeneration needs its whole config and one device"
-            )
+        full = self.check_built_whole("Gemma3ForConditionalGeneration", multimodal_config, tp)
         vision_type = getattr(full.vision_config, "model_type", "")
         if vision_type != "siglip_vision_model":
             raise UnsupportedModelError(
@@ -117,19 +113,6 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         self.vision_tower = SiglipVisionTower(full.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(full)
 
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Placeholder ids past the vocabulary (the released checkpoints' are not) embed as
         # id 0: their rows are the image's anyway.
@@ -140,9 +123,3 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
     def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         states = self.vision_tower(data["pixel_values"])  # [n, num_patches, vision_hidden]
         return list(self.multi_modal_projector(states))  # n × [mm_tokens_per_image, hidden]
-
-    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states, upcast)
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        return self.language_model.kv_cache_shape()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.backend import AttentionBackend
 from ..errors import UnsupportedModelError
 from .base import VisionLanguageModel
 from .clip import CLIPVisionTower, activation_of
@@ -82,11 +82,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = multimodal_config
-        if full is None or tp is not None and tp.world_size > 1:
-            raise UnsupportedModelError(
-                "LlavaForConditionalGeneration needs its whole config and one device"
-            )
+        full = self.check_built_whole("LlavaForConditionalGeneration", multimodal_config, tp)
         self.config = config
         text_type = getattr(config, "model_type", "llama")
         vision_type = getattr(full.vision_config, "model_type", "")
@@ -109,22 +105,6 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.vision_tower = _VISION_TOWERS[vision_type](full.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(full, len(self.feature_layers))
 
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
     def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         pixel_values = data["pixel_values"]  # [n, 3, H, W]
         states = self.vision_tower(pixel_values, self.feature_layers)
@@ -132,9 +112,3 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             states = [s[:, 1:] for s in states]
         features = torch.cat(states, dim=-1)  # [n, num_tokens, vision_hidden * num_layers]
         return list(self.multi_modal_projector(features))  # n × [num_tokens, hidden]
-
-    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states, upcast)
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        return self.language_model.kv_cache_shape()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.backend import AttentionBackend
 from ..errors import UnsupportedModelError
 from .base import VisionLanguageModel
 from .clip import activation_of
@@ -260,10 +260,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = multimodal_config
-        name = type(self).__name__
-        if full is None or tp is not None and tp.world_size > 1:
-            raise UnsupportedModelError(f"{name} needs its whole config and one device")
+        full = self.check_built_whole(type(self).__name__, multimodal_config, tp)
         self.config = config
         if getattr(config, "tie_word_embeddings", None) is None:
             config.tie_word_embeddings = bool(getattr(full, "tie_word_embeddings", False))
@@ -271,31 +268,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.long_context_len = None
         self.visual = self.vision_tower_cls(full.vision_config)
 
-    def tie_weights(self) -> None:
-        self.language_model.tie_weights()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] in steps with images
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
     def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         pixels = data["pixel_values"]  # [num_patches, patch_dim], image after image
         grid_thw = data["image_grid_thw"].tolist()  # [n, 3]
         rows = self.visual(pixels, grid_thw)  # [num_patches / merge², hidden]
         merge = self.visual.merge
         return list(rows.split([t * h * w // merge**2 for t, h, w in grid_thw]))
-
-    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states, upcast)
-
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        return self.language_model.kv_cache_shape()
