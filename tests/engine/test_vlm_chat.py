@@ -18,7 +18,8 @@ import torch
 from batchlm.engine import LLM
 from batchlm.engine.errors import ImageReadError, InvalidPromptError
 
-from .test_vlm_llava import GREEDY, MAX_TOKENS, _hf, image, make_tiny_llava
+from .test_vlm_llava import GREEDY, MAX_TOKENS, make_tiny_llava
+from .vlm_reference import hf_model, image
 
 # A LLaVA-1.5-style processor template: it iterates each message's parts and writes the
 # placeholder where an image part is (the `openai` content format).
@@ -72,7 +73,7 @@ def tokens(outputs) -> list[list[int]]:
 def hf_chat_greedy(path: Path, conversation: list[dict]) -> list[int]:
     """Transformers' processor renders and tokenizes the conversation (reading its images
     from their `url` / `path`), then the model generates."""
-    model, processor = _hf(str(path))
+    model, processor = hf_model(str(path))
     inputs = processor.apply_chat_template(
         conversation,
         add_generation_prompt=True,

@@ -6,18 +6,18 @@ preemption, prefix-cache hits that stop before an image), on both attention back
 from __future__ import annotations
 
 import shutil
-from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.core.scheduler import whole_images
 from batchlm.engine.errors import InvalidPromptError
 from batchlm.engine.multimodal.inputs import ImageInput
+
+from . import vlm_reference
+from .vlm_reference import image
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -97,40 +97,14 @@ def gemma3_path(tmp_path_factory, tokenizer_files) -> Path:
     return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "model", tokenizer_files)
 
 
-def image(seed: int, height: int = 50, width: int = 60) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-@lru_cache(maxsize=1)
-def _hf(path: str):
-    import transformers
-
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # fixed-length outputs, like ignore_eos
-    model.generation_config.pad_token_id = 0
-    return model.eval(), transformers.AutoProcessor.from_pretrained(path)
-
-
-@torch.inference_mode()
 def hf_greedy(path: Path, prompts: list) -> list[list[int]]:
-    """Transformers' greedy tokens for each prompt (a string, or a dict with images); the
-    processor's `token_type_ids` give `generate` the image spans."""
-    model, processor = _hf(str(path))
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            inputs = processor.tokenizer(p, return_tensors="pt")
-        else:
-            images = p.get("multi_modal_data", {}).get("image")
-            inputs = processor(text=p["prompt"], images=images, return_tensors="pt")
-        gen = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(gen[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    """Transformers' greedy tokens; the processor's `token_type_ids` give `generate` the
+    image spans."""
+    return vlm_reference.hf_greedy(str(path), prompts, MAX_TOKENS)
 
 
 def run(llm: LLM, prompts: list) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return vlm_reference.run(llm, prompts, GREEDY)
 
 
 def mixed_prompts() -> list:

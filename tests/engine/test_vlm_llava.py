@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import shutil
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,9 @@ from PIL import Image
 
 from batchlm.engine import LLM, SamplingParams
 from batchlm.engine.errors import InvalidParamError, InvalidPromptError
+
+from . import vlm_reference
+from .vlm_reference import image
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -103,39 +105,12 @@ def llava_factory(tmp_path_factory, tokenizer_files):
     return get
 
 
-def image(seed: int, height: int = 50, width: int = 60) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-@lru_cache(maxsize=2)
-def _hf(path: str):
-    import transformers
-
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # fixed-length outputs, like ignore_eos
-    model.generation_config.pad_token_id = 0
-    return model.eval(), transformers.AutoProcessor.from_pretrained(path)
-
-
-@torch.inference_mode()
 def hf_greedy(path: Path, prompts: list) -> list[list[int]]:
-    """Transformers' greedy tokens for each text prompt (a string, or a dict with images)."""
-    model, processor = _hf(str(path))
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            inputs = processor.tokenizer(p, return_tensors="pt")
-        else:
-            images = p.get("multi_modal_data", {}).get("image")
-            inputs = processor(text=p["prompt"], images=images, return_tensors="pt")
-        gen = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(gen[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    return vlm_reference.hf_greedy(str(path), prompts, MAX_TOKENS)
 
 
 def run(llm: LLM, prompts: list) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return vlm_reference.run(llm, prompts, GREEDY)
 
 
 def mixed_prompts() -> list:

@@ -20,7 +20,8 @@ from batchlm.engine import LLM, SamplingParams
 from batchlm.operators.config import OperatorConfig
 from batchlm.operators.rows import ModelInfo, RowSpec, output_schema, process_table
 
-from ..engine.test_vlm_llava import image, make_tiny_llava
+from ..engine.test_vlm_llava import make_tiny_llava
+from ..engine.vlm_reference import image
 
 SAMPLING = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 PROMPT = "USER: <image>\nWhat is it? ASSISTANT:"
