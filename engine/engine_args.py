@@ -25,7 +25,6 @@ from .config import (
     GenerationDefaults,
     LoRAConfig,
     ModelConfig,
-    MultiModalConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -39,6 +38,7 @@ from .device_options import check_executor_backend, resolve_attention_backend, r
 from .errors import InvalidParamError
 from .loader import resolve_model
 from .loader.resolve import resolve_tokenizer
+from .multimodal.options import multimodal_config
 
 logger = logging.getLogger(__name__)
 
@@ -239,56 +239,7 @@ class EngineArgs:
             speculative=speculative,
             structured_outputs=self._structured_outputs(runner_type),
             lora=self._lora(runner_type, dtype, speculative),
-            multimodal=self._multimodal(path, hf_config, runner_type),
-        )
-
-    def _multimodal(self, path: Path, hf_config: Any, runner_type: str) -> MultiModalConfig | None:
-        """Images in prompts: for a vision-language checkpoint that generates; None (and
-        the options checked only) otherwise."""
-        from .models.registry import is_vision_language, language_model_alone
-
-        limit = _image_limit(self.limit_mm_per_prompt)
-        kwargs = self.mm_processor_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise InvalidParamError(
-                f"mm_processor_kwargs={kwargs!r:.80} must be a dict of the checkpoint "
-                "processor's keyword arguments"
-            )
-        arch = (getattr(hf_config, "architectures", None) or [""])[0]
-        if runner_type != "generate" or not is_vision_language(arch):
-            return None
-        text_only = self.tensor_parallel_size > 1 or self.enable_lora
-        if text_only and language_model_alone(arch) is not None:
-            logger.info(
-                "%s with %s: its language model alone serves text prompts (images need "
-                "tensor_parallel_size=1 and no LoRA adapters)",
-                arch,
-                "tensor parallelism" if self.tensor_parallel_size > 1 else "LoRA adapters",
-            )
-            return None
-        if self.tensor_parallel_size > 1:
-            raise InvalidParamError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: {arch} runs on one device "
-                "(its vision tower and image inputs are not split over ranks); use "
-                "tensor_parallel_size=1"
-            )
-        if self.enable_lora:
-            raise InvalidParamError(
-                f"enable_lora=True: LoRA adapters on {arch} (a vision-language model) are not "
-                "supported; drop enable_lora"
-            )
-        from transformers import AutoConfig
-
-        full = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        rope = getattr(full.get_text_config(), "rope_parameters", None) or {}
-        return MultiModalConfig(
-            hf_config=full,
-            image_token_id=int(full.image_token_id),
-            max_images_per_prompt=limit,
-            processor_kwargs=dict(kwargs or {}),
-            mrope_merge_size=int(full.vision_config.spatial_merge_size)
-            if "mrope_section" in rope
-            else None,
+            multimodal=multimodal_config(self, path, hf_config, runner_type),
         )
 
     def _pooler_config(self, runner_type: str) -> PoolerConfig | None:
@@ -618,26 +569,6 @@ LOAD_FORMATS = ("auto", "dummy")
 
 LARGE_GPU_BYTES = 70 * 2**30
 """GPUs with at least this much memory (H100, H200, ...) get the larger default budget."""
-
-
-def _image_limit(limits: Any) -> int | None:
-    """`limit_mm_per_prompt`'s image count (None: no limit), as vLLM reads the dict; other
-    modalities only at 0."""
-    if limits is None:
-        return None
-    if not isinstance(limits, dict):
-        raise InvalidParamError(
-            f"limit_mm_per_prompt={limits!r:.80} must be a dict such as {{'image': 2}}"
-        )
-    for key, value in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidParamError(f"limit_mm_per_prompt[{key!r}]={value!r} must be an int >= 0")
-        if key != "image" and value:
-            raise InvalidParamError(
-                f"limit_mm_per_prompt[{key!r}]={value}: only image inputs are supported; "
-                f"set it to 0 or leave {key!r} out"
-            )
-    return limits.get("image")
 
 
 def default_max_num_seqs(runner_type: str) -> int:

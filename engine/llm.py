@@ -504,12 +504,8 @@ class LLM(PoolingMixin):
             # Tools and template kwargs reach the text too; the tokenizer cannot take surrogates.
             check_text(text, f"conversation {i} as rendered by the chat template")
             ids = chat_utils.tokenize_chat_text(tokenizer, text)
-            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
-                if mm_processor_kwargs is not None:
-                    prompt["mm_processor_kwargs"] = mm_processor_kwargs
-            prompts.append(prompt)
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            prompts.append(chat_images.with_images(prompt, images, mm_processor_kwargs))
         return prompts
 
     def _require_generation(self, method: str) -> LLMEngine:

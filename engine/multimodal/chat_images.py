@@ -157,3 +157,15 @@ def _part_source(part: Mapping[str, Any], where: str) -> Any:
             "a PIL image ({'type': 'image_pil', 'image_pil': Image.open(path)})"
         )
     return value
+
+
+def with_images(
+    prompt: dict[str, Any], images: list[Any], mm_processor_kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A rendered conversation's prompt dict with its images (none: as it is) and, with
+    them, the processor's kwargs."""
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+        if mm_processor_kwargs is not None:
+            prompt["mm_processor_kwargs"] = mm_processor_kwargs
+    return prompt
