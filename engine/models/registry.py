@@ -83,6 +83,14 @@ def supported_architectures() -> list[str]:
     return sorted(_GENERATIVE)
 
 
+def generation_model_class(architecture: str, with_images: bool) -> type[CausalLM]:
+    """`get_model_class`; for a vision-language architecture served without images (see
+    `multimodal/options.py`), its language model alone where batchlm has one."""
+    if not with_images and is_vision_language(architecture):
+        return language_model_alone(architecture) or get_model_class(architecture)
+    return get_model_class(architecture)
+
+
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The class for `architecture`, or an error listing what is supported."""
     entry = _GENERATIVE.get(architecture)

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.backend import BidirectionalSpans
-from ..core.scheduler import ScheduledRequest
+from ..attention.backend import AttentionMetadata, BidirectionalSpans
+from ..config import MultiModalConfig
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..models.base import VisionLanguageModel
 from ..multimodal.inputs import ImageInput
+from ..multimodal.mrope import step_mrope_positions
 
 
 @dataclass
@@ -173,16 +175,62 @@ class EncoderCache:
 
 
 class ImageEmbedder:
-    """Turns a step's token ids and images into the language model's input embeddings.
+    """Turns a step's token ids and images into the language model's input embeddings;
+    the runner's part for a vision-language model (its steps' images, their M-RoPE
+    positions, the cache's lifetime).
 
     Args:
         device: The model's device.
-        max_free_rows: See `EncoderCache`.
+        config: The engine's image options (`encoder_cache_rows`: see `EncoderCache`).
     """
 
-    def __init__(self, device: torch.device, max_free_rows: int) -> None:
+    def __init__(self, device: torch.device, config: MultiModalConfig) -> None:
         self.device = device
-        self.cache = EncoderCache(max_free_rows)
+        self.cache = EncoderCache(config.encoder_cache_rows)
+        self.uses_mrope = bool(config.mrope_merge_size)
+        """Positions of prompts with images are M-RoPE's (`multimodal/mrope.py`): sliced
+        from each request's, three rows in steps with image tokens (eager), one row (token
+        index + the prompt's delta past it) in every other step."""
+
+    def forget(self, out: SchedulerOutput) -> None:
+        """Let go of the images of the step's finished and preempted requests."""
+        self.cache.forget_requests(out.finished_request_ids)
+        self.cache.forget_requests(out.preempted_request_ids)
+
+    def step(
+        self,
+        reqs: Sequence[ScheduledRequest],
+        query_start_loc: np.ndarray,
+        starts: np.ndarray,
+        positions: np.ndarray,
+    ) -> tuple[StepImages | None, np.ndarray, np.ndarray | None]:
+        """A step's image rows, its positions (M-RoPE's one row where its model has them)
+        and, in steps with image tokens, M-RoPE's three rows (else None)."""
+        images = step_images(reqs, query_start_loc)
+        if not self.uses_mrope or all(r.mrope_positions is None for r in reqs):
+            return images, positions, None
+        prompts = [r.mrope_positions for r in reqs]
+        positions, rows = step_mrope_positions(
+            positions, query_start_loc, starts, prompts, with_rows=images is not None
+        )
+        return images, positions, rows
+
+    def model_inputs(
+        self,
+        model: VisionLanguageModel,
+        input_ids: torch.Tensor,
+        step: StepImages,
+        metadata: AttentionMetadata,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> dict[str, torch.Tensor]:
+        """The model's extra inputs in a step with image rows (`inputs_embeds`), and each
+        image's span set in `metadata` where the model's image tokens attend both ways."""
+        if model.has_bidirectional_images:
+            metadata.bidirectional = bidirectional_spans(
+                step, query_start_loc, seq_lens, self.device
+            )
+        return {"inputs_embeds": self.embed(model, input_ids, step)}
 
     def embed(
         self, model: VisionLanguageModel, input_ids: torch.Tensor, step: StepImages

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,11 +37,10 @@ from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..models.base import VisionLanguageModel
 from ..models.layers.linear import make_batch_invariant
-from ..models.registry import get_model_class, is_vision_language, language_model_alone
-from ..multimodal.mrope import step_mrope_positions
+from ..models.registry import generation_model_class
 from . import kv_cache_sizing
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, verify_graph_sizes
-from .encoder_cache import ImageEmbedder, bidirectional_spans, step_images
+from .encoder_cache import ImageEmbedder
 from .grammar_mask import GrammarMaskSource, apply_grammar
 from .prompt_logprobs import (
     PromptLogprobsJob,
@@ -61,6 +59,7 @@ from .sampler import (
 from .sleep_mode import RunnerSleep
 from .speculative import SpeculativeDecoder
 from .step_buffers import (
+    LastSamples,
     StepBuffers,
     StepInputs,
     device_scope,
@@ -141,7 +140,7 @@ class ModelRunner:
         )
         """Capture decode steps in CUDA graphs once the KV cache is allocated."""
         self.decode_graphs: DecodeGraphs | None = None
-        self._last_samples: _Samples | None = None
+        self._last_samples: LastSamples | None = None
         self.share_samples = tp is not None and config.scheduler.async_scheduling
         """Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled
         ids, so that every rank reads the next step's tokens in flight on its device."""
@@ -158,12 +157,8 @@ class ModelRunner:
         self.images: ImageEmbedder | None = None
         """A vision-language model's image rows: the tower's outputs cached by content
         hash, scattered into the input embeddings of each step (None: a text model)."""
-        if isinstance(self.model, VisionLanguageModel) and config.multimodal is not None:
-            self.images = ImageEmbedder(self.device, config.multimodal.encoder_cache_rows)
-        self.uses_mrope = config.multimodal is not None and bool(config.multimodal.mrope_merge_size)
-        """Positions of prompts with images are M-RoPE's (`multimodal/mrope.py`): sliced
-        from each request's, three rows in steps with image tokens (eager), one row (token
-        index + the prompt's delta past it) in every other step."""
+        if isinstance(self.model, VisionLanguageModel) and (mm := config.multimodal) is not None:
+            self.images = ImageEmbedder(self.device, mm)
 
     def load_model(self, path: str | None = None) -> None:
         """Build the model and fill its weights: from the checkpoint (or the folder `path`),
@@ -175,11 +170,8 @@ class ModelRunner:
         if self.model is not None:  # the old weights go before the new ones arrive
             self.decode_graphs = None  # (its graphs read them)
             self.model = None
-        model_cls = get_model_class(config.model.architecture)
-        if config.multimodal is None and is_vision_language(config.model.architecture):
-            model_cls = language_model_alone(config.model.architecture) or model_cls
         self.model = build_model(
-            model_cls,
+            generation_model_class(config.model.architecture, config.multimodal is not None),
             Path(path or config.model.path),
             self.dtype,
             self.device,
@@ -375,8 +367,7 @@ class ModelRunner:
         """
         self.request_generators.forget(out.finished_request_ids)
         if self.images is not None:
-            self.images.cache.forget_requests(out.finished_request_ids)
-            self.images.cache.forget_requests(out.preempted_request_ids)
+            self.images.forget(out)
         if self.spec is not None:
             self.spec.before_forward(out)
         if out.is_empty:
@@ -430,7 +421,7 @@ class ModelRunner:
         result = self.sampler(logits, meta)
         if self.share_samples:
             self.tp.broadcast(result.sampled_token_ids)
-        self._last_samples = _Samples(
+        self._last_samples = LastSamples(
             result.sampled_token_ids, {r.request_id: row for row, r in enumerate(sampled_reqs)}
         )
         return self._to_host(sampled_reqs, result, prompt_jobs, prompt_result)
@@ -450,7 +441,7 @@ class ModelRunner:
             self.model.compute_logits(self.sample_hidden(hidden, inputs), upcast=False)
             if self.share_samples:  # rank 0's sampled ids, for the next step's fills
                 ids = torch.empty(len(inputs.sample_rows), dtype=torch.int64, device=dev)
-                self._last_samples = _Samples(self.tp.broadcast(ids), {})
+                self._last_samples = LastSamples(self.tp.broadcast(ids), {})
 
     def prepare_inputs(
         self, reqs: list[ScheduledRequest], table: np.ndarray | None = None
@@ -491,16 +482,9 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        step_images_ = step_images(reqs, qsl) if self.images is not None else None
-        mrope_rows = None
-        if self.uses_mrope and any(r.mrope_positions is not None for r in reqs):
-            positions, mrope_rows = step_mrope_positions(
-                positions,
-                qsl,
-                starts,
-                [r.mrope_positions for r in reqs],
-                with_rows=step_images_ is not None,
-            )
+        step_images_, mrope_rows = None, None
+        if self.images is not None:
+            step_images_, positions, mrope_rows = self.images.step(reqs, qsl, starts, positions)
         if any(r.long_context for r in reqs):
             # Long-context sequences read the model's long rotary rows, from its
             # `long_context_len` on (LongRoPE).
@@ -586,11 +570,9 @@ class ModelRunner:
                 fill_tokens(input_ids, inputs.fill_rows, inputs.fill_src, samples)
         embeds = {}
         if inputs.images is not None:
-            embeds["inputs_embeds"] = self.images.embed(self.model, input_ids, inputs.images)
-            if self.model.has_bidirectional_images:
-                metadata.bidirectional = bidirectional_spans(
-                    inputs.images, qsl, seq_lens, self.device
-                )
+            embeds = self.images.model_inputs(
+                self.model, input_ids, inputs.images, metadata, qsl, seq_lens
+            )
         if inputs.mrope_positions is not None:
             positions = to_device(inputs.mrope_positions, self.device)  # [3, num_tokens]
         self.backend.prepare(metadata)
@@ -610,21 +592,8 @@ class ModelRunner:
     ) -> PendingOutput:
         """Start the step's one device → host transfer, of everything the host needs."""
         peer = self.tp.peer_all_reduce if self.tp is not None else None
+        errors = peer.errors if peer is not None else None
         return copy_step_to_host(
-            reqs,
-            result,
-            prompt_jobs,
-            prompt_result,
-            peer.errors if peer is not None else None,
-            self.vocab_size,
+            reqs, result, prompt_jobs, prompt_result, errors, self.vocab_size,
             self.return_sampling_mask,
-        )
-
-
-@dataclass
-class _Samples:
-    """The last step's sampled ids on the device, for the next step's tokens in flight."""
-
-    token_ids: torch.Tensor  # [num_sampled]
-    rows: dict[str, int]
-    """Request id → its row in `token_ids`."""
+        )  # fmt: skip

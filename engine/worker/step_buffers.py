@@ -85,6 +85,15 @@ class StepInputs:
         )
 
 
+@dataclass
+class LastSamples:
+    """The last step's sampled ids on the device, for the next step's tokens in flight."""
+
+    token_ids: torch.Tensor  # [num_sampled]
+    rows: dict[str, int]
+    """Request id → its row in `token_ids`."""
+
+
 class StepArrays(NamedTuple):
     """The step inputs as flat buffers (numpy staging arrays or device tensors)."""
 
