@@ -133,3 +133,28 @@ def image_fetch_retries() -> int:
     if not value.isdigit():
         raise ValueError(f"BATCHLM_IMAGE_FETCH_RETRIES={value!r} must be a whole number >= 0")
     return int(value)
+
+
+def image_workers() -> int | None:
+    """BATCHLM_IMAGE_WORKERS: processes that prepare the images of large generation calls
+    (`multimodal/image_pool.py`).
+
+    Unset or `auto` (None): decided by the machine (CUDA, more than two usable cores). `0`
+    prepares images in process; N >= 1 starts N workers on any device and core count.
+    """
+    value = os.environ.get("BATCHLM_IMAGE_WORKERS", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit():
+        raise ValueError(
+            f"BATCHLM_IMAGE_WORKERS={value!r} must be 'auto', 0 (off) or a number of worker "
+            "processes"
+        )
+    return int(value)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -8,12 +8,13 @@ same error, so that code matching vLLM's messages keeps working.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidParamError, InvalidPromptError
 from .inputs import MULTIMODAL_KEYS, PromptType, normalize_prompts
+from .multimodal.image_pool import ImageBatch, ImageJob, process_job
 from .multimodal.inputs import ImageInput, image_items
 from .multimodal.mrope import MRopePositions, mrope_positions
 from .sampling_params import SamplingParams
@@ -36,14 +37,63 @@ class GenerationRequest:
     """An M-RoPE model's positions of a prompt with images (None: token indices)."""
 
 
+@dataclass
+class PreparedCall:
+    """A call's requests: those ready now, and those whose images worker processes are
+    still preparing."""
+
+    requests: list[GenerationRequest | None]
+    """One per prompt, in order; None for a prompt in `pending`."""
+    pending: PendingImagePrompts | None = None
+
+
+class PendingImagePrompts:
+    """The prompts of a call whose images the image workers prepare: each becomes its
+    request (checked as any other) when its images are ready."""
+
+    def __init__(
+        self, batch: ImageBatch, fallback: Any, finish: Callable[[int, Any], GenerationRequest]
+    ) -> None:
+        self._batch = batch
+        self._fallback = fallback
+        self._finish = finish
+
+    @property
+    def done(self) -> bool:
+        return self._batch.done
+
+    def take(self, block: bool) -> list[tuple[int, GenerationRequest]]:
+        """`(index, request)` of the prompts ready now (with `block`, at least one).
+
+        Raises:
+            InvalidPromptError, InvalidParamError: naming the first bad prompt found (the
+                rest are then dropped).
+        """
+        ready = self._batch.take(block, self._fallback)
+        try:
+            return [(i, self._finish(i, processed)) for i, processed in ready]
+        except BaseException:
+            self._batch.cancel()
+            raise
+
+    def cancel(self) -> None:
+        self._batch.cancel()
+
+
 def prepare_requests(
     engine: LLMEngine,
     prompts: PromptType | Sequence[PromptType],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     priority: Sequence[int] | None,
     default_params: SamplingParams,
-) -> list[GenerationRequest]:
+    wait: bool = True,
+) -> PreparedCall:
     """Every prompt of a call, tokenized and checked (nothing is added to the engine).
+
+    Where the call has many prompts with images and the engine's image workers are on
+    (`multimodal/image_pool.py`), the workers prepare those prompts' images. With `wait`
+    the call returns when all are ready; without, those prompts are left `pending`, to be
+    added as they come (their errors surface then).
 
     Raises:
         InvalidPromptError, InvalidParamError: naming the first bad prompt or value.
@@ -52,81 +102,124 @@ def prepare_requests(
     n = len(prompt_dicts)
     params_list = params_per_prompt(engine, sampling_params, n, default_params)
     priorities = priority_per_prompt(priority, n, engine.config.scheduler.policy)
-    images = _image_prompts(engine, prompt_dicts)
-    token_lists = _tokenize(engine, prompt_dicts, images)
-    out = []
-    for i, (p, ids, params, prio) in enumerate(
-        zip(prompt_dicts, token_lists, params_list, priorities, strict=True)
-    ):
-        prompt_images = images[i].images if i in images else ()
-        if prompt_images and params.truncate_prompt_tokens is not None:
-            raise InvalidParamError(
-                f"prompts[{i}] has images and truncate_prompt_tokens="
-                f"{params.truncate_prompt_tokens}: a prompt with images is not truncated "
-                "(it would cut placeholders); drop truncate_prompt_tokens for it"
-            )
-        ids = check_prompt(engine, i, ids, params)
-        merge = engine.config.multimodal.mrope_merge_size if prompt_images else None
-        mrope = mrope_positions(len(ids), prompt_images, merge) if merge else None
-        out.append(GenerationRequest(ids, params, p.get("prompt"), prio, prompt_images, mrope))
-    return out
+    jobs = _image_jobs(engine, prompt_dicts)
+    pool = engine.image_workers.pool_for(len(jobs)) if jobs else None
+    batch = pool.submit(jobs) if pool is not None else None
+    processed: dict[int, Any] = {}
+    try:
+        if batch is None:
+            processed = {job.index: _process(engine, job) for job in jobs}
+        token_lists = _tokenize(engine, prompt_dicts, processed, {job.index for job in jobs})
+    except BaseException:
+        if batch is not None:
+            batch.cancel()
+        raise
+
+    def finish(i: int, prompt: Any) -> GenerationRequest:
+        ids = prompt.prompt_token_ids if prompt is not None else token_lists[i]
+        prompt_images = prompt.images if prompt is not None else ()
+        if prompt_images and engine.scheduler.has_bidirectional_images:
+            _check_whole_images_fit(engine, i, prompt_images)
+        return _request(
+            engine, i, prompt_dicts[i], ids, params_list[i], priorities[i], prompt_images
+        )
+
+    requests: list[GenerationRequest | None] = [None] * n
+    waiting = {job.index for job in jobs} if batch is not None else set()
+    try:
+        for i in range(n):
+            if i not in waiting:
+                requests[i] = finish(i, processed.get(i))
+    except BaseException:
+        if batch is not None:
+            batch.cancel()
+        raise
+    if batch is None:
+        return PreparedCall(requests)
+    pending = PendingImagePrompts(batch, engine.image_processor, finish)
+    if not wait:
+        return PreparedCall(requests, pending)
+    while not pending.done:
+        for i, request in pending.take(block=True):
+            requests[i] = request
+    return PreparedCall(requests)
 
 
-def _image_prompts(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> dict[int, Any]:
-    """Prompt index → `ProcessedPrompt` (token ids with placeholders expanded, images
-    prepared) for each prompt with images; every prompt's images and processor kwargs
-    checked against the model first.
+def _request(
+    engine: LLMEngine,
+    i: int,
+    p: dict[str, Any],
+    ids: list[int],
+    params: SamplingParams,
+    priority: int,
+    images: tuple[ImageInput, ...],
+) -> GenerationRequest:
+    """Prompt `i`'s request, its tokens checked against the engine's limits."""
+    if images and params.truncate_prompt_tokens is not None:
+        raise InvalidParamError(
+            f"prompts[{i}] has images and truncate_prompt_tokens="
+            f"{params.truncate_prompt_tokens}: a prompt with images is not truncated "
+            "(it would cut placeholders); drop truncate_prompt_tokens for it"
+        )
+    ids = check_prompt(engine, i, ids, params)
+    merge = engine.config.multimodal.mrope_merge_size if images else None
+    mrope = mrope_positions(len(ids), images, merge) if merge else None
+    return GenerationRequest(ids, params, p.get("prompt"), priority, images, mrope)
+
+
+def _process(engine: LLMEngine, job: ImageJob) -> Any:
+    return process_job(engine.image_processor, job)
+
+
+def _image_jobs(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> list[ImageJob]:
+    """The prompts with images, each one's images and processor kwargs checked against
+    the model (nothing is prepared yet).
 
     Raises:
         InvalidPromptError: naming the prompt: images for a text-only model, more than
-            `limit_mm_per_prompt`, an image that cannot be read, placeholders that do not
-            match the images.
+            `limit_mm_per_prompt`, an image that cannot be read.
     """
     mm = engine.config.multimodal
     if mm is None:
         for i, p in enumerate(prompt_dicts):
             key = next((k for k in sorted(MULTIMODAL_KEYS) if k in p), None)
             if key is not None:
-                from .models.registry import is_vision_language, runs_language_model_only
-
-                arch = engine.config.model.architecture or "this model"
-                if is_vision_language(arch):
-                    raise InvalidPromptError(
-                        f"prompts[{i}] has the key {key!r}, but this engine serves {arch}'s "
-                        "language model alone, on text (images are not served with "
-                        "tensor_parallel_size > 1 or enable_lora=True); build the LLM with "
-                        "tensor_parallel_size=1 and without enable_lora for images, or pass "
-                        "text alone"
-                    )
-                why = (
-                    "batchlm runs its language model alone, without its vision tower"
-                    if runs_language_model_only(arch)
-                    else "it has no vision tower"
-                )
-                raise InvalidPromptError(
-                    f"prompts[{i}] has the key {key!r}: images, audio and video inputs need "
-                    f"a vision-language model, and {arch} is a text-only model ({why}); load "
-                    "one such as LlavaForConditionalGeneration, or pass text alone"
-                )
-        return {}
-    items: dict[int, tuple[list[Any], dict[str, Any]]] = {}
+                raise _not_a_vision_model(engine, i, key)
+        return []
+    jobs = []
     processor = engine.image_processor
     for i, p in enumerate(prompt_dicts):
         kwargs = processor.merged_kwargs(p.get("mm_processor_kwargs"), i)
         if "multi_modal_data" in p:
             found = image_items(p["multi_modal_data"], i, mm.max_images_per_prompt)
             if found:
-                items[i] = (found, kwargs)
-    processed = {}
-    for i, (found, kwargs) in items.items():
-        p = prompt_dicts[i]
-        if "prompt_token_ids" in p:
-            processed[i] = processor.process_tokens(i, p["prompt_token_ids"], found, kwargs)
-        else:
-            processed[i] = processor.process_text(i, p["prompt"], found, kwargs)
-        if engine.scheduler.has_bidirectional_images:
-            _check_whole_images_fit(engine, i, processed[i].images)
-    return processed
+                text = None if "prompt_token_ids" in p else p["prompt"]
+                jobs.append(ImageJob(i, text, p.get("prompt_token_ids"), found, kwargs))
+    return jobs
+
+
+def _not_a_vision_model(engine: LLMEngine, i: int, key: str) -> InvalidPromptError:
+    from .models.registry import is_vision_language, runs_language_model_only
+
+    arch = engine.config.model.architecture or "this model"
+    if is_vision_language(arch):
+        return InvalidPromptError(
+            f"prompts[{i}] has the key {key!r}, but this engine serves {arch}'s "
+            "language model alone, on text (images are not served with "
+            "tensor_parallel_size > 1 or enable_lora=True); build the LLM with "
+            "tensor_parallel_size=1 and without enable_lora for images, or pass "
+            "text alone"
+        )
+    why = (
+        "batchlm runs its language model alone, without its vision tower"
+        if runs_language_model_only(arch)
+        else "it has no vision tower"
+    )
+    return InvalidPromptError(
+        f"prompts[{i}] has the key {key!r}: images, audio and video inputs need "
+        f"a vision-language model, and {arch} is a text-only model ({why}); load "
+        "one such as LlavaForConditionalGeneration, or pass text alone"
+    )
 
 
 def _check_whole_images_fit(engine: LLMEngine, index: int, images: Sequence[ImageInput]) -> None:
@@ -244,18 +337,26 @@ def require_tokenizer(engine: Any, what: str) -> Any:
 
 
 def _tokenize(
-    engine: LLMEngine, prompt_dicts: list[dict[str, Any]], images: dict[int, Any]
-) -> list[list[int]]:
-    """Each prompt's token ids: those of a prompt with images as its processor made them;
-    the text prompts tokenized in one batched call. On a vision-language model, a prompt
-    without images must hold no image placeholder."""
+    engine: LLMEngine,
+    prompt_dicts: list[dict[str, Any]],
+    processed: dict[int, Any],
+    with_images: set[int],
+) -> list[list[int] | None]:
+    """Each prompt's token ids: those of a prompt with images as its processor made them
+    (`processed`; None while the image workers prepare it); the text prompts tokenized in
+    one batched call. On a vision-language model, a prompt without images must hold no
+    image placeholder."""
     texts = [
         (i, p["prompt"])
         for i, p in enumerate(prompt_dicts)
-        if "prompt_token_ids" not in p and i not in images
+        if "prompt_token_ids" not in p and i not in with_images
     ]
     out: list[list[int] | None] = [
-        images[i].prompt_token_ids if i in images else p.get("prompt_token_ids")
+        processed[i].prompt_token_ids
+        if i in processed
+        else None
+        if i in with_images
+        else p.get("prompt_token_ids")
         for i, p in enumerate(prompt_dicts)
     ]
     if texts:
@@ -266,13 +367,13 @@ def _tokenize(
     mm = engine.config.multimodal
     if mm is not None:
         for i, ids in enumerate(out):
-            if i not in images and mm.image_token_id in ids:
+            if i not in with_images and mm.image_token_id in ids:
                 raise InvalidPromptError(
                     f"prompts[{i}] has {ids.count(mm.image_token_id)} image placeholder "
                     f"token(s) (id {mm.image_token_id}) but no images; pass them as "
                     "multi_modal_data={'image': ...}, or remove the placeholders"
                 )
-    return out  # type: ignore[return-value]
+    return out
 
 
 def check_prompt(engine: Any, index: int, ids: list[int], params: SamplingParams) -> list[int]:

@@ -19,11 +19,11 @@ from .generation_inputs import prepare_requests, require_tokenizer
 from .inputs import PromptType, check_text
 from .llm_engine import LLMEngine
 from .llm_pooling import PoolingMixin
-from .lora.request import add_lora_requests
 from .metrics import Metric
 from .outputs import RequestOutput
 from .pooling_engine import PoolingEngine
 from .progress_bar import progress_bar
+from .request_feed import RequestFeed
 from .sampling_params import SamplingParams
 
 
@@ -303,7 +303,9 @@ class LLM(PoolingMixin):
         """Generate completions for every prompt; outputs come back in input order.
 
         Every prompt and parameter is validated before any request starts, so a bad input
-        raises without running (or losing) the others.
+        raises without running (or losing) the others. (In a large call with images, the
+        image workers prepare them while the first requests run; a prompt its processor
+        refuses then raises, and the call's requests are aborted.)
 
         Args:
             use_tqdm: Show a progress bar; a callable (say `functools.partial(tqdm,
@@ -316,10 +318,10 @@ class LLM(PoolingMixin):
         """
         self._require_generation("generate").sleep_state.check_awake("generate()")
         with gc_heap_frozen():
-            request_ids = self._add_prompts(
-                prompts, sampling_params, priority=priority, lora_request=lora_request
+            feed = self._add_prompts(
+                prompts, sampling_params, priority=priority, lora_request=lora_request, wait=False
             )
-            return self._run_engine(request_ids, use_tqdm)
+            return self._run_engine(feed.request_ids, use_tqdm, feed)
 
     def enqueue(
         self,
@@ -336,9 +338,9 @@ class LLM(PoolingMixin):
         and `priority` as in `generate`. Requests may be enqueued while the engine sleeps.
         """
         self._require_generation("enqueue")
-        request_ids = self._add_prompts(prompts, sampling_params, use_tqdm, priority, lora_request)
-        self._enqueued.extend(request_ids)
-        return request_ids
+        feed = self._add_prompts(prompts, sampling_params, use_tqdm, priority, lora_request)
+        self._enqueued.extend(feed.request_ids)
+        return feed.request_ids
 
     def wait_for_completion(
         self, output_type: type | None = None, use_tqdm: bool | Callable[..., Any] = True
@@ -531,36 +533,25 @@ class LLM(PoolingMixin):
         use_tqdm: bool | Callable[..., Any] = False,
         priority: Sequence[int] | None = None,
         lora_request: Any = None,
-    ) -> list[str]:
+        wait: bool = True,
+    ) -> RequestFeed:
+        """Validate a call and add its requests; without `wait`, prompts whose images the
+        image workers still prepare are added later, through the returned feed."""
         engine = self.llm_engine
-        requests = prepare_requests(
-            engine, prompts, sampling_params, priority, self.get_default_sampling_params()
+        call = prepare_requests(
+            engine, prompts, sampling_params, priority, self.get_default_sampling_params(), wait
         )
-        loras = add_lora_requests(engine, lora_request, len(requests))
-        request_ids = []
-        bar = progress_bar(use_tqdm, len(requests), "Adding requests", "it")
-        try:
-            for r, lora in zip(requests, loras, strict=True):
-                rid = str(next(self._request_counter))
-                engine.add_request(
-                    rid,
-                    r.prompt_token_ids,
-                    r.params,
-                    r.prompt,
-                    r.priority,
-                    lora,
-                    r.images,
-                    r.mrope_positions,
-                )
-                request_ids.append(rid)
-                bar.update(1)
-        finally:
-            bar.close()
-        return request_ids
+        request_ids = [self._next_id() for _ in call.requests]
+        return RequestFeed(engine, call, request_ids, lora_request, use_tqdm)
 
     def _run_engine(
-        self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]
+        self,
+        request_ids: list[str],
+        use_tqdm: bool | Callable[..., Any],
+        feed: RequestFeed | None = None,
     ) -> list[RequestOutput]:
+        """Step until every request of `request_ids` is done; `feed` adds the call's
+        requests still being prepared as they are ready."""
         engine = self.llm_engine
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
@@ -574,7 +565,13 @@ class LLM(PoolingMixin):
                     results[rid] = stashed
                     pending.discard(rid)
                     bar.update(1)
-            while pending and engine.has_unfinished_requests():
+            while pending:
+                if feed is not None and not feed.done:
+                    feed.add_ready(block=not engine.has_unfinished_requests())
+                if not engine.has_unfinished_requests():
+                    if feed is None or feed.done:
+                        break
+                    continue
                 for out in engine.step():
                     if out.request_id not in pending:
                         # Finished but not asked for here (enqueued earlier): keep it.
@@ -593,6 +590,8 @@ class LLM(PoolingMixin):
                     bar.update(1)
         finally:
             bar.close()
+            if feed is not None:
+                feed.cancel()
             if pending:  # interrupted: leave no request holding KV blocks
                 engine.abort_requests(sorted(pending))
         return [results[rid] for rid in request_ids]

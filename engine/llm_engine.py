@@ -21,6 +21,7 @@ from .loader.generation_config import end_of_generation_ids
 from .lora.registry import LoRARegistry
 from .lora.request import LoRARequest
 from .metrics import FinishedRequestStats
+from .multimodal.image_pool import ImageWorkers
 from .multimodal.inputs import ImageInput
 from .multimodal.mrope import MRopePositions
 from .multimodal.processor import ImagePromptProcessor
@@ -114,6 +115,11 @@ class LLMEngine(EngineBase):
         )
         """A vision-language model's processor on the host: prompts with images → token
         ids with expanded placeholders and prepared images (None: a text model)."""
+        self.image_workers = ImageWorkers(
+            self.image_processor, is_cuda=self.runner.device.type == "cuda"
+        )
+        """Worker processes that prepare the images of large calls (started on first use;
+        none for a text model)."""
         self.spec: SpecDecodeManager | None = None
         """Speculative decoding's host side (draft tokens, rollback, acceptance counts)."""
         if config.speculative is not None:
@@ -164,6 +170,9 @@ class LLMEngine(EngineBase):
         return self.kv_cache.reset_prefix_cache()
 
     def _release(self) -> None:
+        workers = getattr(self, "image_workers", None)
+        if workers is not None:
+            workers.close()
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()

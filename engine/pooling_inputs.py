@@ -7,7 +7,6 @@ limits, one `PoolingParams` per prompt. A mixin of `LLM`, under `llm_pooling.py`
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -145,7 +144,7 @@ class PoolingInputsMixin:
             return self._tokenize_pool
         if num_workers is None:
             is_cuda = self.llm_engine.config.device.device.type == "cuda"
-            num_workers = min(_usable_cores() - 2, _MAX_AUTO_TOKENIZE_WORKERS) if is_cuda else 0
+            num_workers = min(envs.usable_cores() - 2, _MAX_AUTO_TOKENIZE_WORKERS) if is_cuda else 0
         backend = getattr(self.llm_engine.tokenizer, "backend_tokenizer", None)
         if num_workers < 1 or not sys.executable or not hasattr(backend, "encode_batch"):
             return None
@@ -308,13 +307,6 @@ def _join_results(parts: list[Any]) -> Any:
         if len({p.shape[1:] for p in parts}) == 1:
             return torch.cat(parts)
     return [item for part in parts for item in part]
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, which containers narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _encode_batch(tokenizer: Any, texts: list[str], max_len: int | None) -> list[list[int]]:

@@ -93,7 +93,7 @@ class TokenizePool:
                 )
             # Every worker is already importing while the first one reads its tokenizer.
             for proc in self._procs:
-                _send(proc.stdin, {"tokenizer_json": tokenizer_json})
+                send_message(proc.stdin, {"tokenizer_json": tokenizer_json})
         except (OSError, ValueError) as e:
             self.close()
             raise TokenizePoolError(f"could not start tokenizer workers: {e}") from e
@@ -138,8 +138,8 @@ class TokenizePool:
                         _expect_ready(proc)
                     self._is_ready = True
                 for j, proc in enumerate(procs):
-                    _send(proc.stdin, (texts[bounds[j] : bounds[j + 1]], max_len, lower))
-                replies = [_recv(proc.stdout) for proc in procs]
+                    send_message(proc.stdin, (texts[bounds[j] : bounds[j + 1]], max_len, lower))
+                replies = [recv_message(proc.stdout) for proc in procs]
             except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
                 codes = [proc.poll() for proc in self._procs]
                 self.close()
@@ -174,17 +174,19 @@ class TokenizePool:
                 proc.stdout.close()
 
 
-def _send(stream: BinaryIO, message: Any) -> None:
+def send_message(stream: BinaryIO, message: Any) -> None:
+    """Write one message (a pickle) and flush it."""
     pickle.dump(message, stream, protocol=pickle.HIGHEST_PROTOCOL)
     stream.flush()
 
 
-def _recv(stream: BinaryIO) -> Any:
+def recv_message(stream: BinaryIO) -> Any:
+    """Read one message (a pickle); EOFError when the stream has closed."""
     return pickle.load(stream)
 
 
 def _expect_ready(proc: subprocess.Popen) -> None:
-    reply = _recv(proc.stdout)
+    reply = recv_message(proc.stdout)
     if not (isinstance(reply, tuple) and reply[0] == "ready"):
         raise ValueError(f"unexpected first message from worker {proc.pid}: {reply!r:.200}")
 
@@ -205,15 +207,15 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
     """A worker's loop: load the tokenizer, then answer batches until stdin closes."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(_recv(requests)["tokenizer_json"])
+    tokenizer = Tokenizer.from_str(recv_message(requests)["tokenizer_json"])
     tokenizer.no_padding()
     # `encode_batch_fast` (tokenizers >= 0.21) skips the character offsets.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    _send(replies, ("ready", os.getpid()))
+    send_message(replies, ("ready", os.getpid()))
     truncation: object = _UNSET
     while True:
         try:
-            texts, max_len, lower = _recv(requests)
+            texts, max_len, lower = recv_message(requests)
         except EOFError:
             return
         try:
@@ -226,7 +228,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
             reply: tuple = ("ok", *encode_flat(encode, texts, lower))
         except Exception as e:  # reported to the parent, which tokenizes in process instead
             reply = ("error", f"{type(e).__name__}: {e}")
-        _send(replies, reply)
+        send_message(replies, reply)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,10 @@ class ImageInput:
     length: int
     """Placeholder tokens (= embedding rows) of the image."""
     content_hash: int
-    """64-bit hash of the prepared tensors and the processor kwargs that made them: equal
-    for the same image prepared the same way, whatever the prompt (the vision tower's
-    output cache and the prefix cache's block hashes key on it)."""
+    """64-bit hash of the image's pixels and the processor kwargs that prepared it
+    (`processor.content_hash`): equal for the same image prepared the same way, whatever
+    the prompt (the vision tower's output cache and the prefix cache's block hashes key on
+    it)."""
 
     @property
     def end(self) -> int:

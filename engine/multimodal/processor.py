@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import InvalidPromptError, UnsupportedModelError
@@ -33,14 +34,16 @@ class ProcessedPrompt(NamedTuple):
     images: tuple[ImageInput, ...]
 
 
-def content_hash(tensors: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> int:
-    """64-bit hash of an image's prepared tensors (names, dtypes, shapes, bytes) and of the
-    processor kwargs that prepared it."""
+def content_hash(image: Any, kwargs: Mapping[str, Any]) -> int:
+    """64-bit hash of an image's pixels (a PIL image or a numpy array: the same pixels hash
+    the same either way) and of the processor kwargs that prepare it. The processor is
+    deterministic, so equal hashes mean equal prepared tensors; hashing its input rather
+    than its output reads several times fewer bytes (a 640×480 image is 0.9 MB, Qwen2-VL's
+    patches of it 7 MB)."""
+    pixels = np.ascontiguousarray(np.asarray(image))
     h = hashlib.blake2b(digest_size=8)
-    for key in sorted(tensors):
-        t = tensors[key].detach().cpu().contiguous()
-        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(f"{pixels.dtype}:{pixels.shape}".encode())
+    h.update(pixels.reshape(-1).view(np.uint8).data)
     h.update(json.dumps(dict(kwargs), sort_keys=True, default=repr).encode())
     return int.from_bytes(h.digest(), "little")
 
@@ -148,7 +151,7 @@ class ImagePromptProcessor:
                 f"prompts[{index}]: the processor's image tokens cannot be assigned to its "
                 f"{len(images)} image(s)"
             )
-        return ProcessedPrompt(ids, self._inputs(per_image, ranges, kwargs))
+        return ProcessedPrompt(ids, self._inputs(images, per_image, ranges, kwargs))
 
     def process_tokens(
         self, index: int, token_ids: list[int], images: list[Any], kwargs: Mapping[str, Any]
@@ -174,7 +177,7 @@ class ImagePromptProcessor:
                 f"for {len(images)} image(s); give one image token per image, or each "
                 f"image's {lengths} tokens expanded in one run"
             )
-        return ProcessedPrompt(token_ids, self._inputs(per_image, ranges, kwargs))
+        return ProcessedPrompt(token_ids, self._inputs(images, per_image, ranges, kwargs))
 
     def _call(self, index: int, kwargs: Mapping[str, Any], **inputs: Any) -> Mapping[str, Any]:
         try:
@@ -216,13 +219,14 @@ class ImagePromptProcessor:
 
     @staticmethod
     def _inputs(
+        images: list[Any],
         per_image: list[dict[str, torch.Tensor]],
         ranges: list[tuple[int, int]],
         kwargs: Mapping[str, Any],
     ) -> tuple[ImageInput, ...]:
         return tuple(
-            ImageInput(data, offset, length, content_hash(data, kwargs))
-            for data, (offset, length) in zip(per_image, ranges, strict=True)
+            ImageInput(data, offset, length, content_hash(image, kwargs))
+            for image, data, (offset, length) in zip(images, per_image, ranges, strict=True)
         )
 
 

@@ -30,10 +30,14 @@ def test_placeholder_ranges():
 
 
 def test_content_hash_covers_pixels_and_kwargs():
-    pixels = {"pixel_values": torch.arange(12, dtype=torch.float32).view(1, 3, 2, 2)}
-    same = {"pixel_values": pixels["pixel_values"].clone()}
-    other = {"pixel_values": pixels["pixel_values"] + 1e-3}
+    from PIL import Image
+
+    pixels = np.arange(36, dtype=np.uint8).reshape(3, 4, 3)
+    same = Image.fromarray(pixels.copy())  # the same pixels as a PIL image
+    other = pixels.copy()
+    other[2, 3, 1] += 1
     assert content_hash(pixels, {}) == content_hash(same, {})
+    assert content_hash(pixels, {}) != content_hash(pixels[:, :3], {})  # another shape
     assert content_hash(pixels, {}) != content_hash(other, {})
     assert content_hash(pixels, {}) != content_hash(pixels, {"do_resize": False})
     assert content_hash(pixels, {"a": 1, "b": 2}) == content_hash(pixels, {"b": 2, "a": 1})

