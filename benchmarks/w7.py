@@ -88,6 +88,7 @@ COMMON = dict(
     dtype="bfloat16",
     load_format="dummy",
     max_model_len=4096,
+    max_num_seqs=1024,  # vLLM's default for LLM on a GPU of 70 GiB or more; given to both
     gpu_memory_utilization=0.85,
     limit_mm_per_prompt={"image": 1},
     seed=0,
@@ -190,6 +191,25 @@ def vllm_record(path: str | None) -> dict | None:
     return None
 
 
+def profile_run(fn, path: str) -> None:
+    """`fn()` under torch.profiler: the kernels by device time and the host ops by their
+    own time, as tables in `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("cuda_time_total", "self_cpu_time_total"):
+            f.write(
+                f"# by {key}\n{table.table(sort_by=key, row_limit=45, max_name_column_width=70)}\n"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-dir", default="/tmp/sbs-models/qwen25vl7b")
@@ -197,6 +217,7 @@ def main() -> None:
     ap.add_argument("--vllm", default=None, help="vllm_w7.py's JSONL of this session")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny model, to check the script")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one run here")
     args = ap.parse_args()
     import torch
     import transformers
@@ -254,6 +275,8 @@ def main() -> None:
         process_job(processor, ImageJob(i, p["prompt"], None, [p["multi_modal_data"]["image"]], {}))
     prep_s = (time.perf_counter() - t) * num_requests / len(batch)
 
+    if args.profile:
+        profile_run(lambda: run(502, min(128, num_requests)), args.profile)
     rec = Recorder(args.out)
     tok_s = [round(n / dt, 1) for dt, n, _ in runs]
     req_s = [round(num_requests / dt, 3) for dt, _, _ in runs]

@@ -206,8 +206,7 @@ def _not_a_vision_model(engine: LLMEngine, i: int, key: str) -> InvalidPromptErr
         return InvalidPromptError(
             f"prompts[{i}] has the key {key!r}, but this engine serves {arch}'s "
             "language model alone, on text (images are not served with "
-            "tensor_parallel_size > 1 or enable_lora=True); build the LLM with "
-            "tensor_parallel_size=1 and without enable_lora for images, or pass "
+            "enable_lora=True); build the LLM without enable_lora for images, or pass "
             "text alone"
         )
     why = (

@@ -62,11 +62,13 @@ class VisionLanguageModel(CausalLM):
     language_model: Any
 
     @staticmethod
-    def check_built_whole(name: str, multimodal_config: Any, tp: Any) -> Any:
+    def check_built_whole(name: str, multimodal_config: Any) -> Any:
         """The checkpoint's whole config, or `UnsupportedModelError`: a vision-language
-        model is built from its whole config, on one device."""
-        if multimodal_config is None or tp is not None and tp.world_size > 1:
-            raise UnsupportedModelError(f"{name} needs its whole config and one device")
+        model is built from its whole config. Under tensor parallelism its language model
+        is split over the ranks and its vision tower is whole on each (every rank encodes
+        the step's images: the same rows, no collective)."""
+        if multimodal_config is None:
+            raise UnsupportedModelError(f"{name} needs its whole config")
         return multimodal_config
 
     def forward(

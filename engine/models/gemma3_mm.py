@@ -77,7 +77,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         config: The language model's config (`text_config`).
         backend: Attention backend of the language model's layers.
         max_position: Longest sequence the engine will run.
-        tp: Must be None: the engine runs vision-language models on one device.
+        tp: The tensor-parallel group of the language model (the tower is whole on
+            every rank).
         multimodal_config: The checkpoint's whole config (vision config, projector).
     """
 
@@ -101,7 +102,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = self.check_built_whole("Gemma3ForConditionalGeneration", multimodal_config, tp)
+        full = self.check_built_whole("Gemma3ForConditionalGeneration", multimodal_config)
         vision_type = getattr(full.vision_config, "model_type", "")
         if vision_type != "siglip_vision_model":
             raise UnsupportedModelError(
@@ -109,7 +110,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
                 "supported; Gemma 3's tower is 'siglip_vision_model'"
             )
         self.config = config
-        self.language_model = Gemma3ForCausalLM(config, backend, max_position)
+        self.language_model = Gemma3ForCausalLM(config, backend, max_position, tp)
         self.vision_tower = SiglipVisionTower(full.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(full)
 

@@ -59,7 +59,8 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         config: The language model's config (`text_config`).
         backend: Attention backend of the language model's layers.
         max_position: Longest sequence the engine will run.
-        tp: Must be None: the engine runs vision-language models on one device.
+        tp: The tensor-parallel group of the language model (the tower is whole on
+            every rank).
         multimodal_config: The checkpoint's whole config (vision config, projector,
             feature layers, select strategy).
     """
@@ -82,7 +83,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = self.check_built_whole("LlavaForConditionalGeneration", multimodal_config, tp)
+        full = self.check_built_whole("LlavaForConditionalGeneration", multimodal_config)
         self.config = config
         text_type = getattr(config, "model_type", "llama")
         vision_type = getattr(full.vision_config, "model_type", "")
@@ -100,7 +101,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
                 f"vision_feature_select_strategy={full.vision_feature_select_strategy!r} "
                 "is not supported; LLaVA uses 'default' or 'full'"
             )
-        self.language_model = _LANGUAGE_MODELS[text_type](config, backend, max_position)
+        self.language_model = _LANGUAGE_MODELS[text_type](config, backend, max_position, tp)
         self.long_context_len = self.language_model.long_context_len
         self.vision_tower = _VISION_TOWERS[vision_type](full.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(full, len(self.feature_layers))

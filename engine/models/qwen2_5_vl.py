@@ -28,6 +28,7 @@ from .qwen2_vl import (
     VisionAttention,
     VisionBlock,
     VisionRotary,
+    attention_plan,
     frame_seqlens,
     patch_positions,
 )
@@ -114,10 +115,10 @@ class Qwen2_5_VisionTower(nn.Module):
         positions = patch_positions(grid_thw, self.merge).to(x.device)
         positions = positions.view(n // unit, unit, 2)[order_t].view(n, 2)
         cos_sin = self.rotary(positions)
-        cu_frames = frame_seqlens(grid_thw)
+        frames = attention_plan(frame_seqlens(grid_thw), x.device)
+        windows = attention_plan(cu_windows, x.device)
         for i, block in enumerate(self.blocks):
-            full = i in self.full_attention_layers
-            x = block(x, cos_sin, cu_frames if full else cu_windows)
+            x = block(x, cos_sin, frames if i in self.full_attention_layers else windows)
         merged = self.merger(x)  # [num_blocks, out_hidden_size], window order
         return merged[torch.argsort(order_t)]
 

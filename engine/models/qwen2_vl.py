@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.backend import AttentionBackend
+from ..attention.varlen import VarlenPlan, varlen_attention
 from ..errors import UnsupportedModelError
 from .base import VisionLanguageModel
 from .clip import activation_of
@@ -53,31 +53,14 @@ class Qwen2MRopeForCausalLM(Qwen2ForCausalLM):
         return MRotaryEmbedding(spec, head_dim, max_position, list(section))
 
 
-def varlen_attention(
-    q: torch.Tensor,  # [num_patches, num_heads, head_dim]
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: list[int],
-) -> torch.Tensor:  # [num_patches, num_heads, head_dim]
-    """Bidirectional attention within each run `[cu_seqlens[i], cu_seqlens[i + 1])` of
-    patches; runs of one length go through one batched call."""
-    starts_by_len: dict[int, list[int]] = {}
-    for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-        if hi > lo:
-            starts_by_len.setdefault(hi - lo, []).append(lo)
-    out = torch.empty_like(q)
-    heads, dim = q.shape[1:]
-    for length, starts in starts_by_len.items():
-        rows = torch.tensor(starts, device=q.device)[:, None] + torch.arange(
-            length, device=q.device
-        )
-        rows = rows.reshape(-1)  # [num_runs * length]
-        q_, k_, v_ = (
-            t[rows].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)
-        )
-        o = F.scaled_dot_product_attention(q_, k_, v_)  # [num_runs, heads, length, dim]
-        out[rows] = o.transpose(1, 2).reshape(-1, heads, dim)
-    return out
+def attention_plan(cu_seqlens: list[int], device: torch.device) -> VarlenPlan:
+    """The tower's attention runs (each frame, or each window), for every layer of one
+    forward: on CUDA in half precision one flash-attention call per layer, elsewhere
+    SDPA over length groups (`attention/varlen.py`)."""
+    cu_device = None
+    if device.type == "cuda":
+        cu_device = torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+    return VarlenPlan.build(cu_seqlens, device, cu_device)
 
 
 def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,12 +132,13 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cu_seqlens: list[int]
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], plan: VarlenPlan
     ) -> torch.Tensor:  # [num_patches, dim]
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [n, heads, head_dim]
         q, k = rotate_vision(q, *cos_sin), rotate_vision(k, *cos_sin)
-        return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
+        out = varlen_attention(q, k, v.contiguous(), plan, q.shape[-1] ** -0.5, causal=False)
+        return self.proj(out.reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -174,9 +158,9 @@ class VisionBlock(nn.Module):
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cu_seqlens: list[int]
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], plan: VarlenPlan
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos_sin, cu_seqlens)
+        x = x + self.attn(self.norm1(x), cos_sin, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -225,9 +209,9 @@ class Qwen2VisionTower(nn.Module):
         / merge², hidden_size]`, image after image."""
         x = self.patch_embed(pixels)
         cos_sin = self.rotary(patch_positions(grid_thw, self.merge).to(x.device))
-        cu_seqlens = frame_seqlens(grid_thw)
+        plan = attention_plan(frame_seqlens(grid_thw), x.device)
         for block in self.blocks:
-            x = block(x, cos_sin, cu_seqlens)
+            x = block(x, cos_sin, plan)
         return self.merger(x)
 
 
@@ -238,7 +222,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         config: The language model's config (`text_config`).
         backend: Attention backend of the language model's layers.
         max_position: Longest sequence the engine will run.
-        tp: Must be None: the engine runs vision-language models on one device.
+        tp: The tensor-parallel group of the language model (the tower is whole on
+            every rank).
         multimodal_config: The checkpoint's whole config (vision config, token ids).
     """
 
@@ -260,11 +245,11 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         multimodal_config: Any = None,
     ) -> None:
         super().__init__()
-        full = self.check_built_whole(type(self).__name__, multimodal_config, tp)
+        full = self.check_built_whole(type(self).__name__, multimodal_config)
         self.config = config
         if getattr(config, "tie_word_embeddings", None) is None:
             config.tie_word_embeddings = bool(getattr(full, "tie_word_embeddings", False))
-        self.language_model = Qwen2MRopeForCausalLM(config, backend, max_position)
+        self.language_model = Qwen2MRopeForCausalLM(config, backend, max_position, tp)
         self.long_context_len = None
         self.visual = self.vision_tower_cls(full.vision_config)
 

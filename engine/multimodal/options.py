@@ -1,7 +1,8 @@
 """The engine's image options (`limit_mm_per_prompt`, `mm_processor_kwargs`) read into a
-`MultiModalConfig`: for a vision-language checkpoint that generates, on one device without
-LoRA adapters; where tensor parallelism or adapters are asked for and the family has its
-language model alone (Gemma 3), that serves text and images are not served."""
+`MultiModalConfig`: for a vision-language checkpoint that generates, without LoRA adapters
+(under tensor parallelism too: the language model is split over the ranks, the tower whole
+on each); where adapters are asked for and the family has its language model alone
+(Gemma 3), that serves text and images are not served."""
 
 from __future__ import annotations
 
@@ -20,17 +21,17 @@ def multimodal_config(
 ) -> MultiModalConfig | None:
     """Images in prompts: for a vision-language checkpoint that generates; None (and the
     options checked only) otherwise. `args`: the `EngineArgs` (its `limit_mm_per_prompt`,
-    `mm_processor_kwargs`, `tensor_parallel_size` and `enable_lora`).
+    `mm_processor_kwargs` and `enable_lora`).
 
     Raises:
-        InvalidParamError: a bad option, or tensor parallelism / LoRA on a vision family
-            without a language model alone.
+        InvalidParamError: a bad option, or LoRA on a vision family without a language
+            model alone.
     """
     from ..models.registry import is_vision_language, language_model_alone
 
     limit = _image_limit(args.limit_mm_per_prompt)
     kwargs = args.mm_processor_kwargs
-    tensor_parallel_size, enable_lora = args.tensor_parallel_size, args.enable_lora
+    enable_lora = args.enable_lora
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidParamError(
             f"mm_processor_kwargs={kwargs!r:.80} must be a dict of the checkpoint "
@@ -39,21 +40,13 @@ def multimodal_config(
     arch = (getattr(hf_config, "architectures", None) or [""])[0]
     if runner_type != "generate" or not is_vision_language(arch):
         return None
-    text_only = tensor_parallel_size > 1 or enable_lora
-    if text_only and language_model_alone(arch) is not None:
+    if enable_lora and language_model_alone(arch) is not None:
         logger.info(
-            "%s with %s: its language model alone serves text prompts (images need "
-            "tensor_parallel_size=1 and no LoRA adapters)",
+            "%s with LoRA adapters: its language model alone serves text prompts (images "
+            "need enable_lora=False)",
             arch,
-            "tensor parallelism" if tensor_parallel_size > 1 else "LoRA adapters",
         )
         return None
-    if tensor_parallel_size > 1:
-        raise InvalidParamError(
-            f"tensor_parallel_size={tensor_parallel_size}: {arch} runs on one device "
-            "(its vision tower and image inputs are not split over ranks); use "
-            "tensor_parallel_size=1"
-        )
     if enable_lora:
         raise InvalidParamError(
             f"enable_lora=True: LoRA adapters on {arch} (a vision-language model) are not "

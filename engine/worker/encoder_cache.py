@@ -187,15 +187,25 @@ class ImageEmbedder:
     def __init__(self, device: torch.device, config: MultiModalConfig) -> None:
         self.device = device
         self.cache = EncoderCache(config.encoder_cache_rows)
+        self._released: list[str] = []
         self.uses_mrope = bool(config.mrope_merge_size)
         """Positions of prompts with images are M-RoPE's (`multimodal/mrope.py`): sliced
         from each request's, three rows in steps with image tokens (eager), one row (token
         index + the prompt's delta past it) in every other step."""
 
-    def forget(self, out: SchedulerOutput) -> None:
-        """Let go of the images of the step's finished and preempted requests."""
+    def forget(self, out: SchedulerOutput, for_other_ranks: bool = False) -> None:
+        """Let go of the images of the step's finished and preempted requests; with
+        `for_other_ranks` (rank 0 under tensor parallelism), keep their ids for the next
+        step the other ranks get (`take_released`)."""
         self.cache.forget_requests(out.finished_request_ids)
         self.cache.forget_requests(out.preempted_request_ids)
+        if for_other_ranks:
+            self._released += [*out.finished_request_ids, *out.preempted_request_ids]
+
+    def take_released(self) -> tuple[str, ...]:
+        """The requests let go of since the last call."""
+        released, self._released = tuple(self._released), []
+        return released
 
     def step(
         self,
@@ -245,8 +255,7 @@ class ImageEmbedder:
         missing = [image for image in step.images if image.content_hash not in cache]
         for batch in _batches(missing):
             data = {
-                key: torch.cat([image.data[key] for image in batch]).to(self.device)
-                for key in batch[0].data
+                key: self._to_device([image.data[key] for image in batch]) for key in batch[0].data
             }
             for image, rows in zip(batch, model.encode_images(data), strict=True):
                 if len(rows) != image.length:
@@ -268,6 +277,17 @@ class ImageEmbedder:
             if done:
                 cache.release(rid, content_hash)
         return embeds
+
+    def _to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """`parts` concatenated on the device; on CUDA through pinned memory, so the host
+        goes on while the pixels travel (the caching host allocator keeps the block until
+        the copy is done)."""
+        if self.device.type != "cuda":
+            return torch.cat(parts).to(self.device)
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        staged = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
+        torch.cat(parts, out=staged)
+        return staged.to(self.device, non_blocking=True)
 
 
 def _batches(images: list[ImageInput]) -> list[list[ImageInput]]:

@@ -154,11 +154,9 @@ class ModelRunner:
         """Blocks of the engine's KV cache (`initialize_kv_cache`; kept while asleep)."""
         self.sleep_state = RunnerSleep(self)
         """Sleep mode: which of this rank's device memory is asleep (`sleep`, `wake_up`)."""
-        self.images: ImageEmbedder | None = None
-        """A vision-language model's image rows: the tower's outputs cached by content
-        hash, scattered into the input embeddings of each step (None: a text model)."""
-        if isinstance(self.model, VisionLanguageModel) and (mm := config.multimodal) is not None:
-            self.images = ImageEmbedder(self.device, mm)
+        is_vision = isinstance(self.model, VisionLanguageModel) and config.multimodal
+        self.images = ImageEmbedder(self.device, config.multimodal) if is_vision else None
+        """A vision-language model's image rows (`ImageEmbedder`; None: a text model)."""
 
     def load_model(self, path: str | None = None) -> None:
         """Build the model and fill its weights: from the checkpoint (or the folder `path`),
@@ -367,7 +365,7 @@ class ModelRunner:
         """
         self.request_generators.forget(out.finished_request_ids)
         if self.images is not None:
-            self.images.forget(out)
+            self.images.forget(out, for_other_ranks=self.step_listener is not None)
         if self.spec is not None:
             self.spec.before_forward(out)
         if out.is_empty:
@@ -375,6 +373,7 @@ class ModelRunner:
         reqs = out.scheduled
         inputs, prompt_jobs = self.prepare_inputs(reqs, out.block_table)
         if self.step_listener is not None:
+            inputs.released_images = self.images.take_released() if self.images else ()
             self.step_listener(inputs)
         hidden = self.forward(inputs)
         prompt_result = (
@@ -430,6 +429,8 @@ class ModelRunner:
     def execute_step_inputs(self, inputs: StepInputs) -> None:
         """A tensor-parallel rank other than 0: rank 0's forward and LM-head calls, in the
         same order, so that every collective pairs up; nothing is sampled."""
+        if self.images is not None:
+            self.images.cache.forget_requests(inputs.released_images)
         hidden = self.forward(inputs)
         dev = self.device
         if len(inputs.prompt_rows):

@@ -67,6 +67,9 @@ class StepInputs:
     mrope_positions: np.ndarray | None = None
     """[3, num_tokens] int64: an M-RoPE model's positions in a step with image tokens
     (eager; `positions` then holds their first row). None: `positions` are the step's."""
+    released_images: tuple[str, ...] = ()
+    """Requests finished or preempted since the last step sent to the other ranks: their
+    images leave the ranks' encoder caches as they left rank 0's."""
 
     @classmethod
     def empty(cls) -> StepInputs:

@@ -68,7 +68,7 @@ def generate(path: Path, family: str, dtype: str, **options) -> list:
     prompts = PROMPTS[family]() * 2
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     llm = LLM(str(path), dtype=dtype, max_model_len=256, gpu_memory_utilization=0.2,
-              limit_mm_per_prompt={"image": 2}, **options)  # fmt: skip
+              max_num_seqs=16, limit_mm_per_prompt={"image": 2}, **options)  # fmt: skip
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         graphs = llm.llm_engine.runner.decode_graphs
