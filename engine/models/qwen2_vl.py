@@ -29,7 +29,12 @@ from ..attention.varlen import VarlenPlan, varlen_attention
 from ..errors import UnsupportedModelError
 from .base import VisionLanguageModel
 from .clip import activation_of
-from .layers.rotary import MRotaryEmbedding, RotaryEmbedding, rope_spec_from_config
+from .layers.rotary import (
+    MRotaryEmbedding,
+    RotaryEmbedding,
+    rope_spec_from_config,
+    rotate_per_token,
+)
 from .llama import DecoderForCausalLM, head_dim_of
 from .qwen2 import Qwen2ForCausalLM
 
@@ -63,15 +68,6 @@ def attention_plan(cu_seqlens: list[int], device: torch.device) -> VarlenPlan:
     return VarlenPlan.build(cu_seqlens, device, cu_device)
 
 
-def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of the tower's heads, in float32. `x` `[n, heads, head_dim]`,
-    `cos` / `sin` `[n, head_dim]`."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
-
-
 def patch_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
     """`[num_patches, 2]` each patch's (row, column) in its image, in the processor's order
     (each `merge × merge` block consecutive, frames repeating the grid)."""
@@ -89,7 +85,8 @@ def frame_seqlens(grid_thw: list[list[int]]) -> list[int]:
     """Cumulative patch counts of each frame of each image: attention stays within one."""
     cu = [0]
     for t, h, w in grid_thw:
-        cu.extend(cu[-1] + h * w * (i + 1) for i in range(t))
+        start = cu[-1]
+        cu.extend(start + h * w * (i + 1) for i in range(t))
     return cu
 
 
@@ -101,14 +98,14 @@ class VisionRotary(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[n, 2]` (row, column) → cos, sin `[n, head_dim]` float32."""
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """`[n, 2]` (row, column) → `[2, n, head_dim]` float32: the cosines, the sines."""
         quarter = self.head_dim // 2
         exponent = torch.arange(0, quarter, 2, dtype=torch.float32, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (exponent / quarter))  # [head_dim / 4]
         freqs = (positions[..., None].float() * inv_freq).flatten(1)  # [n, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        return torch.stack([emb.cos(), emb.sin()])
 
 
 class PatchEmbed(nn.Module):
@@ -132,11 +129,11 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], plan: VarlenPlan
+        self, x: torch.Tensor, cos_sin: torch.Tensor, plan: VarlenPlan
     ) -> torch.Tensor:  # [num_patches, dim]
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [n, heads, head_dim]
-        q, k = rotate_vision(q, *cos_sin), rotate_vision(k, *cos_sin)
+        q, k = rotate_per_token(q, k, cos_sin)
         out = varlen_attention(q, k, v.contiguous(), plan, q.shape[-1] ** -0.5, causal=False)
         return self.proj(out.reshape(n, -1))
 
@@ -157,9 +154,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
-    def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], plan: VarlenPlan
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos_sin, plan)
         return x + self.mlp(self.norm2(x))
 

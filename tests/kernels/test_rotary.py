@@ -185,3 +185,21 @@ def test_into_cache_rejects_bad_arguments(device):
         rotary_embedding_into_cache(positions, q, k, v[:3], cos_sin, *args)
     with pytest.raises(ValueError, match="slot_mapping has size 4 in dimension 0"):
         rotary_embedding_into_cache(positions, q, k, v, cos_sin, caches[0], caches[1], slots[:4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_token_angles_match_the_vision_layer(dtype, device):
+    """A vision tower's rotation (each patch its own row of angles, head_dim 80 as in
+    Qwen2.5-VL's tower): the kernel, with the tokens as the table's rows, against the
+    layer's PyTorch path."""
+    from batchlm.engine.models.layers.rotary import rotate_per_token
+    from batchlm.engine.models.qwen2_vl import VisionRotary, patch_positions
+
+    cos_sin = VisionRotary(80)(patch_positions([[1, 4, 6]], 2))  # [2, 24, 80]
+    q, k = _qk(24, 4, 4, 80, dtype, torch.device("cpu"))
+    q_ref, k_ref = rotate_per_token(q, k, cos_sin)
+    out = rotary_embedding(
+        torch.arange(24, device=device), q.to(device), k.to(device), cos_sin.to(device)
+    )
+    assert_close(out.query.cpu(), q_ref, ELEMENTWISE_TOLERANCE)
+    assert_close(out.key.cpu(), k_ref, ELEMENTWISE_TOLERANCE)

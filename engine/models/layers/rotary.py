@@ -225,6 +225,31 @@ class RotaryEmbedding(nn.Module):
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
+def rotate_per_token(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor,  # [2, num_tokens, head_dim] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding with each token's own angles (a vision tower's 2-D patch
+    positions): row i of `cos_sin` (cosines, sines; each second half equal to its first)
+    rotates token i. Float32 math, one rounding: the rotary kernel on CUDA, whose table's
+    rows are then the tokens, PyTorch elsewhere."""
+    if use_triton_kernels(query):
+        from batchlm.kernels.rotary import rotary_embedding
+
+        positions = torch.arange(query.shape[0], device=query.device)
+        return tuple(rotary_embedding(positions, query, key, cos_sin))
+    cos, sin = cos_sin[0][:, None], cos_sin[1][:, None]  # [num_tokens, 1, head_dim]
+    half = cos_sin.shape[-1] // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        turned = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + turned * sin).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal rotary embedding (M-RoPE, Qwen2-VL): a token has three positions
     (temporal, height, width), and the frequency pairs of `mrope_section` (sizes summing to
