@@ -300,7 +300,7 @@ def _to_pandas(table: pa.Table) -> pd.DataFrame:
     return table.to_pandas(types_mapper=nullable.get)
 
 
-def _make_udf(config: OperatorConfig, task: str) -> Any:
+def _make_udf(config: OperatorConfig, task: str, images: bool = False) -> Any:
     if config.spec.task != task:
         raise RowContractError(
             f"{task}_udf needs a config with task={task!r}, got task={config.spec.task!r}; "
@@ -312,6 +312,8 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
     info = config.model_info()
     fields = output_fields(config.spec, info)
     names = config.spec.input_columns
+    if images:  # the image column comes right after the inputs
+        names = (*names, config.spec.image_column)
     # Optional arguments after the inputs: generate / chat the row's own sampling params,
     # then its adapter; loglikelihood its adapter.
     spec = config.spec
@@ -353,9 +355,10 @@ def _make_udf(config: OperatorConfig, task: str) -> Any:
     return udf
 
 
-def generate_udf(config: OperatorConfig) -> Any:
+def generate_udf(config: OperatorConfig, images: bool = False) -> Any:
     """A pandas UDF `(prompt[, sampling_params[, lora]]) → struct<generated_text: string,
-    finish_reason: string, num_input_tokens: int, num_output_tokens: int, error: string>`.
+    finish_reason: string, num_input_tokens: int, num_output_tokens: int, error: string>`;
+    with `images`, `(prompt, image[, sampling_params[, lora]])`.
 
     The prompt column holds text or token ids; the optional second column each row's own
     sampling params (struct or JSON text, merged over `config`'s); the optional third each
@@ -365,20 +368,26 @@ def generate_udf(config: OperatorConfig) -> Any:
     cumulative_logprob, prompt_logprobs) join the struct before `error`.
     `udf.output_fields` lists the struct's Arrow fields.
 
-    Example: `df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")`.
+    With `images` (a vision-language model) the second column holds each row's image:
+    encoded bytes (a `binaryFile` source's `content`), a path or URL, or null for none; the
+    prompt holds the model's placeholder. A row whose image cannot be read gets `error`.
+
+    Example: `df.withColumn("out", generate_udf(config)("prompt")).select("id", "out.*")`;
+    with images, `generate_udf(config, images=True)("prompt", "content")`.
     """
-    return _make_udf(config, "generate")
+    return _make_udf(config, "generate", images)
 
 
-def chat_udf(config: OperatorConfig) -> Any:
+def chat_udf(config: OperatorConfig, images: bool = False) -> Any:
     """A pandas UDF `(messages[, sampling_params[, lora]]) → struct<generated_text,
     finish_reason, num_input_tokens, num_output_tokens, error>`, as `generate_udf`; messages
     are an array of {role, content} structs, or JSON text, rendered with the model's chat
-    template (or `config`'s chat_template).
+    template (or `config`'s chat_template). With `images`, `(messages, image[, ...])`: the
+    row's image goes first in its last user message, as in `generate_udf`.
 
     Example: `df.withColumn("out", chat_udf(config)("messages"))`.
     """
-    return _make_udf(config, "chat")
+    return _make_udf(config, "chat", images)
 
 
 def embed_udf(config: OperatorConfig) -> Any:

@@ -240,3 +240,37 @@ def test_spark_binary_file_content(spark, llm, llava_dir, image_dir, tmp_path):
     )
     assert [rows[f"{i}.png"]["generated_text"] for i in range(2)] == expected
     assert [rows[f"{i}.png"]["error"] for i in range(2)] == [None, None]
+
+
+def test_spark_pandas_udf_with_an_image_column(spark, llm, llava_dir, image_dir):
+
+    from batchlm.operators.spark_udf import generate_udf
+
+    config = OperatorConfig.create(
+        llava_dir, "generate", engine_kwargs={"max_model_len": 128}, sampling_params=SAMPLING
+    )
+    cells = [(image_dir / "0.png").read_bytes(), b"not an image", None]
+    df = spark.createDataFrame(
+        [
+            (i, PROMPT if c is not None else "USER: hello ASSISTANT:", c)
+            for i, c in enumerate(cells)
+        ],
+        "id int, prompt string, image binary",
+    )
+    udf = generate_udf(config, images=True)
+    rows = sorted(
+        (
+            r.asDict()
+            for r in df.select("id", udf("prompt", "image").alias("o"))
+            .select("id", "o.*")
+            .collect()
+        ),
+        key=lambda r: r["id"],
+    )
+    decoded = Image.open(image_dir / "0.png").convert("RGB")
+    expected = expected_texts(
+        llm, [{"prompt": PROMPT, "multi_modal_data": {"image": decoded}}, "USER: hello ASSISTANT:"]
+    )
+    assert rows[0]["generated_text"] == expected[0] and rows[0]["error"] is None
+    assert "cannot be decoded as an image" in rows[1]["error"]
+    assert rows[2]["generated_text"] == expected[1] and rows[2]["error"] is None
