@@ -16,7 +16,7 @@ import torch
 
 from batchlm.engine import LLM, SamplingParams
 
-from . import test_vlm_gemma3, test_vlm_llava, test_vlm_qwen2vl
+from . import test_vlm_gemma3, test_vlm_llava, test_vlm_qwen2vl, vlm_reference
 from .greedy import assert_same_greedy
 from .test_vlm_qwen2vl import qwen2_tokenizer_dir  # noqa: F401 - a fixture
 
@@ -100,28 +100,12 @@ def hf_inputs(family: str, path: Path, prompt) -> dict:
     return dict(processor(text=prompt["prompt"], images=images, return_tensors="pt"))
 
 
-@torch.inference_mode()
 def hf_logprobs(family: str, path: Path, prompt, out, dtype: torch.dtype) -> torch.Tensor:
-    """Transformers' log-softmax at each of batchlm's generated positions: the prompt
-    (images prepared by the checkpoint's processor) followed by batchlm's tokens, one
-    forward."""
-    inputs = hf_inputs(family, path, prompt)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    assert prompt_ids == list(out.prompt_token_ids)  # the same expanded placeholders
-    completion = torch.tensor([list(out.outputs[0].token_ids)])
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], completion], dim=1)
-    for key in ("attention_mask",):
-        if key in inputs:
-            inputs[key] = torch.cat([inputs[key], torch.ones_like(completion)], dim=1)
-    for key in ("token_type_ids", "mm_token_type_ids"):
-        if key in inputs:
-            inputs[key] = torch.cat([inputs[key], torch.zeros_like(completion)], dim=1)
+    """Transformers' log-softmax at each of batchlm's generated positions (teacher-forced on
+    batchlm's tokens, the images prepared by the checkpoint's processor)."""
     model = hf_model(str(path), dtype)
-    moved = {
-        k: v.to(DEVICE, dtype) if v.is_floating_point() else v.to(DEVICE) for k, v in inputs.items()
-    }
-    logits = model(**moved).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1].cpu()
+    inputs = hf_inputs(family, path, prompt)
+    return vlm_reference.teacher_forced_logprobs(model, inputs, out, DEVICE, dtype)
 
 
 def top5_errors(family: str, path: Path, prompts, outs, dtype: torch.dtype) -> list[list[float]]:

@@ -53,3 +53,29 @@ def hf_greedy(path: str, prompts: list, max_tokens: int) -> list[list[int]]:
 def run(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
     """batchlm's tokens for each prompt."""
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(
+    model, inputs: dict, out, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`model`'s log-softmax at each position batchlm generated (`out`, a `RequestOutput`):
+    the processor's `inputs` for the prompt (images included) followed by batchlm's
+    tokens, one forward. The prompt's ids must be batchlm's (the same placeholders)."""
+    inputs = dict(inputs)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    assert prompt_ids == list(out.prompt_token_ids)
+    completion = torch.tensor([list(out.outputs[0].token_ids)])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], completion], dim=1)
+    if "attention_mask" in inputs:
+        inputs["attention_mask"] = torch.cat(
+            [inputs["attention_mask"], torch.ones_like(completion)], dim=1
+        )
+    for key in ("token_type_ids", "mm_token_type_ids"):
+        if key in inputs:
+            inputs[key] = torch.cat([inputs[key], torch.zeros_like(completion)], dim=1)
+    moved = {
+        k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()
+    }
+    logits = model(**moved).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1].cpu()
