@@ -100,4 +100,7 @@ class VisionLanguageModel(CausalLM):
     def encode_images(self, data: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """The processor's tensors of n images, concatenated along dim 0 (for LLaVA
         `pixel_values` `[n, 3, H, W]`) → one `[num_placeholder_tokens_i, hidden_size]`
-        tensor per image: row j is the input embedding of its j-th placeholder token."""
+        tensor per image: row j is the input embedding of its j-th placeholder token.
+        Floating-point tensors (pixels) come on the model's device, integer ones (patch
+        grids, sizes) on the host, where a model reads them without waiting for the
+        device."""

@@ -279,9 +279,12 @@ class ImageEmbedder:
         return embeds
 
     def _to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """`parts` concatenated on the device; on CUDA through pinned memory, so the host
-        goes on while the pixels travel (the caching host allocator keeps the block until
-        the copy is done)."""
+        """`parts` concatenated on the device (floating point) or on the host (integers:
+        `encode_images` reads grids there); on CUDA through pinned memory, so the host goes
+        on while the pixels travel (the caching host allocator keeps the block until the
+        copy is done)."""
+        if not parts[0].is_floating_point():
+            return torch.cat(parts)
         if self.device.type != "cuda":
             return torch.cat(parts).to(self.device)
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
