@@ -109,7 +109,7 @@ class LLMEngine(EngineBase):
         self.outputs = OutputProcessor(self.tokenizer)
         mm = config.multimodal
         self.image_processor = (
-            ImagePromptProcessor(mc.path, mm.image_token_id, mm.processor_kwargs)
+            ImagePromptProcessor(mc.path, mm.image_token_id, mm.processor_kwargs, mc.dtype)
             if mm is not None
             else None
         )

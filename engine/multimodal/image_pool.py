@@ -32,7 +32,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import envs
@@ -81,6 +80,7 @@ class ImagePool:
         image_token_id: The model's image placeholder token id.
         default_kwargs: `LLM(mm_processor_kwargs=...)`.
         num_workers: Processes to start (each single-threaded).
+        pixel_dtype: As `ImagePromptProcessor`'s.
 
     Example:
         >>> pool = ImagePool(path, image_token_id, {}, num_workers=4)
@@ -96,6 +96,7 @@ class ImagePool:
         image_token_id: int,
         default_kwargs: Mapping[str, Any],
         num_workers: int,
+        pixel_dtype: torch.dtype | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
@@ -111,6 +112,7 @@ class ImagePool:
             "path": path,
             "image_token_id": image_token_id,
             "default_kwargs": dict(default_kwargs),
+            "pixel_dtype": pixel_dtype,
         }
         try:
             for _ in range(num_workers):
@@ -288,12 +290,17 @@ def _processed(answer: tuple) -> ProcessedPrompt:
 
 
 def _wire(t: torch.Tensor) -> Any:
-    """A tensor as it travels: numpy where numpy has its dtype (cheaper to pickle)."""
-    return t if t.dtype == torch.bfloat16 else t.contiguous().numpy()
+    """A tensor as it travels: a numpy array (cheap to pickle), bfloat16 as its bits."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return ("bfloat16", t.view(torch.int16).numpy())
+    return t.numpy()
 
 
 def _tensor(v: Any) -> torch.Tensor:
-    return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+    if isinstance(v, tuple):  # ("bfloat16", int16 bits)
+        return torch.from_numpy(v[1]).view(torch.bfloat16)
+    return torch.from_numpy(v)
 
 
 def serve() -> None:
@@ -309,7 +316,9 @@ def serve() -> None:
         init = recv_message(requests)
     except EOFError:
         return
-    processor = ImagePromptProcessor(init["path"], init["image_token_id"], init["default_kwargs"])
+    processor = ImagePromptProcessor(
+        init["path"], init["image_token_id"], init["default_kwargs"], init["pixel_dtype"]
+    )
     try:
         processor.processor  # noqa: B018 - loads it now, not with the first prompt
     except Exception as e:
@@ -383,7 +392,9 @@ class ImageWorkers:
             return None
         p = self.processor
         try:
-            self._pool = ImagePool(p.path, p.image_token_id, p.default_kwargs, num_workers)
+            self._pool = ImagePool(
+                p.path, p.image_token_id, p.default_kwargs, num_workers, p.pixel_dtype
+            )
         except ImagePoolError as e:
             self._drop(e)
             return None

@@ -75,14 +75,22 @@ class ImagePromptProcessor:
             `preprocessor_config.json`, the tokenizer).
         image_token_id: The placeholder token id of config.json (`image_token_index`).
         default_kwargs: `LLM(mm_processor_kwargs=...)`, under each prompt's own.
+        pixel_dtype: The model's dtype: `pixel_values` are cast to it here, as every
+            vision tower's first step casts them (the same rounding, on the host: half the
+            bytes to hold and to copy in bfloat16). None: as the processor makes them.
     """
 
     def __init__(
-        self, path: str, image_token_id: int, default_kwargs: Mapping[str, Any] | None = None
+        self,
+        path: str,
+        image_token_id: int,
+        default_kwargs: Mapping[str, Any] | None = None,
+        pixel_dtype: torch.dtype | None = None,
     ) -> None:
         self.path = path
         self.image_token_id = image_token_id
         self.default_kwargs = dict(default_kwargs or {})
+        self.pixel_dtype = pixel_dtype
         self._processor: Any = None
 
     @property
@@ -199,6 +207,8 @@ class ImagePromptProcessor:
         for key, value in out.items():
             if key in _TEXT_KEYS:
                 continue
+            if key == "pixel_values" and self.pixel_dtype is not None:
+                value = value.to(self.pixel_dtype)
             if (
                 patch_rows is not None
                 and isinstance(value, torch.Tensor)

@@ -110,3 +110,29 @@ def test_a_dead_worker_costs_no_prompt(pooled, llava_path):
     assert got == vlm_reference.hf_greedy(str(llava_path), mixed_prompts(), 8) * 2
     assert pool.is_failed
     assert workers.pool_for(100) is None  # and in process from then on
+
+
+def test_bfloat16_pixels_travel_as_they_are(llava_path):
+    """In a bfloat16 engine the pixels are cast on the host, as the tower's first step
+    would cast them; they come back from a worker bit for bit."""
+    import torch
+
+    from batchlm.engine.multimodal.image_pool import ImageJob, ImagePool, process_job
+    from batchlm.engine.multimodal.processor import ImagePromptProcessor
+
+    config = __import__("json").loads((llava_path / "config.json").read_text())
+    token = config["image_token_index"]
+    local = ImagePromptProcessor(str(llava_path), token, {}, torch.bfloat16)
+    job = ImageJob(0, "USER: <image> hi", None, [image(3)], {})
+    expected = process_job(local, job)
+    assert expected.images[0].data["pixel_values"].dtype == torch.bfloat16
+    pool = ImagePool(str(llava_path), token, {}, 1, torch.bfloat16)
+    try:
+        batch = pool.submit([job])
+        ((index, got),) = batch.take(block=True)
+    finally:
+        pool.close()
+    assert index == 0 and got.prompt_token_ids == expected.prompt_token_ids
+    for key, value in expected.images[0].data.items():
+        assert torch.equal(got.images[0].data[key], value)
+    assert got.images[0].content_hash == expected.images[0].content_hash

@@ -295,13 +295,11 @@ def test_bad_inputs_are_refused_before_anything_runs(llava, bad):
     assert len(run(llava, [good])[0]) == MAX_TOKENS  # still serving
 
 
-def test_truncation_and_tensor_parallelism_are_refused(llava, llava_factory):
+def test_truncation_is_refused(llava):
     good = {"prompt": "USER: <image> ok", "multi_modal_data": {"image": image(0)}}
     params = SamplingParams(max_tokens=2, truncate_prompt_tokens=4)
     with pytest.raises(InvalidParamError, match="has images and truncate_prompt_tokens=4"):
         llava.generate([good], params, use_tqdm=False)
-    with pytest.raises(InvalidParamError, match="tensor_parallel_size=2: LlavaForConditional"):
-        LLM(str(llava_factory()), tensor_parallel_size=2)
 
 
 def test_image_on_a_text_model_names_the_model(tiny_model_factory):
