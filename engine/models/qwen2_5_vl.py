@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .clip import activation_of
+from .layers.activation import SiluAndMul
 from .layers.linear import MergedLinear
 from .layers.norm import RMSNorm
 from .qwen2_vl import (
@@ -72,10 +73,15 @@ class GatedVisionMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(dim, [hidden, hidden], bias=True)
         self.down_proj = nn.Linear(hidden, dim, bias=True)
+        # SiLU (Qwen2.5-VL's) in the decoders' fused kernel; another activation as it is.
+        self.act_and_mul = SiluAndMul() if act == "silu" else None
         self.act = activation_of(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 
