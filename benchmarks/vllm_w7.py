@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from common import Recorder
-from w7 import COMMON, NUM_REQUESTS, OUTPUT_LEN, ensure_folder, prompt_text, requests
+from w7 import COMMON, NUM_REQUESTS, OUTPUT_LEN, ensure_folder, prompt_text, timed_run
 
 
 def main() -> None:
@@ -39,16 +39,8 @@ def main() -> None:
     init_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
 
-    def run(seed: int, num: int = NUM_REQUESTS) -> tuple[float, int, int]:
-        batch = requests(text, seed, num)
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        return dt, sum(len(o.outputs[0].token_ids) for o in outs), len(outs[0].prompt_token_ids)
-
-    run(1000, 32)
-    runs = [run(seed) for seed in range(1, args.runs + 1)]
+    timed_run(llm, params, text, 1000, 32)  # warm-up
+    runs = [timed_run(llm, params, text, seed, NUM_REQUESTS) for seed in range(1, args.runs + 1)]
     rec = Recorder(args.out)
     tok_s = [round(n / dt, 1) for dt, n, _ in runs]
     req_s = [round(NUM_REQUESTS / dt, 3) for dt, _, _ in runs]

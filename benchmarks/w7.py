@@ -181,6 +181,18 @@ def requests(text: str, seed: int, num: int = NUM_REQUESTS) -> list[dict]:
     return [{"prompt": text, "multi_modal_data": {"image": im}} for im in images(seed, num)]
 
 
+def timed_run(llm, params, text: str, seed: int, num: int) -> tuple[float, int, int]:
+    """One `generate` of `num` requests with images of `seed` (made before the clock starts,
+    the prefix cache emptied): seconds, output tokens, prompt tokens of one request. The
+    same for either engine's `LLM`."""
+    batch = requests(text, seed, num)
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), len(outs[0].prompt_token_ids)
+
+
 def vllm_record(path: str | None) -> dict | None:
     if not path:
         return None
@@ -240,12 +252,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def run(seed: int, num: int = num_requests) -> tuple[float, int, int]:
-        batch = requests(text, seed, num)
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        return dt, sum(len(o.outputs[0].token_ids) for o in outs), len(outs[0].prompt_token_ids)
+        return timed_run(llm, params, text, seed, num)
 
     run(1000, min(32, num_requests))  # warm-up: compiles, captures, starts the image workers
     runs = [run(seed) for seed in range(1, args.runs + 1)]

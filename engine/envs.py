@@ -90,15 +90,7 @@ def tokenize_workers() -> int | None:
     Unset or `auto` (None): decided by the machine (CUDA, more than two usable cores). `0`
     keeps tokenization in process; N >= 1 starts N workers on any device and core count.
     """
-    value = os.environ.get("BATCHLM_TOKENIZE_WORKERS", "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if not value.isdigit():
-        raise ValueError(
-            f"BATCHLM_TOKENIZE_WORKERS={value!r} must be 'auto', 0 (off) or a number of worker "
-            "processes"
-        )
-    return int(value)
+    return _worker_count("BATCHLM_TOKENIZE_WORKERS")
 
 
 def fault_injection() -> str | None:
@@ -142,13 +134,17 @@ def image_workers() -> int | None:
     Unset or `auto` (None): decided by the machine (CUDA, more than two usable cores). `0`
     prepares images in process; N >= 1 starts N workers on any device and core count.
     """
-    value = os.environ.get("BATCHLM_IMAGE_WORKERS", "").strip().lower()
+    return _worker_count("BATCHLM_IMAGE_WORKERS")
+
+
+def _worker_count(name: str) -> int | None:
+    """A worker-process count variable: None for unset or `auto`, else its number."""
+    value = os.environ.get(name, "").strip().lower()
     if value in ("", "auto"):
         return None
     if not value.isdigit():
         raise ValueError(
-            f"BATCHLM_IMAGE_WORKERS={value!r} must be 'auto', 0 (off) or a number of worker "
-            "processes"
+            f"{name}={value!r} must be 'auto', 0 (off) or a number of worker processes"
         )
     return int(value)
 

@@ -161,17 +161,23 @@ class TokenizePool:
         """Ends every worker (idempotent): closing its stdin lets it exit after the batch it
         is on; one still running after a few seconds is killed."""
         self._is_closed = True
-        for proc in self._procs:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdout.close()
+        end_workers(self._procs)
+
+
+def end_workers(procs: list[subprocess.Popen]) -> None:
+    """Close each worker's stdin (it exits after what it is on), wait a few seconds for
+    it, then kill it; close its stdout (idempotent)."""
+    for proc in procs:
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdout.close()
 
 
 def send_message(stream: BinaryIO, message: Any) -> None:

@@ -20,7 +20,6 @@ stdin closes, so none outlives the parent.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -36,15 +35,13 @@ import torch
 
 from .. import envs
 from ..errors import InvalidPromptError, UnsupportedModelError
-from ..tokenize_pool import recv_message, send_message
+from ..tokenize_pool import end_workers, recv_message, send_message
 from .inputs import ImageInput
 from .processor import ImagePromptProcessor, ProcessedPrompt
 
 logger = logging.getLogger(__name__)
 
 _BOOT = "from batchlm.engine.multimodal.image_pool import serve; serve()"
-# How long a closing worker may take to finish its prompt before it is killed.
-_EXIT_TIMEOUT_S = 5.0
 _ERRORS = {"InvalidPromptError": InvalidPromptError, "UnsupportedModelError": UnsupportedModelError}
 
 
@@ -152,17 +149,7 @@ class ImagePool:
         """Ends every worker (idempotent): closing its stdin lets it exit after the prompt it
         is on; one still running after a few seconds is killed."""
         self._is_closed = True
-        for proc in self._procs:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdout.close()
+        end_workers(self._procs)
 
     def _exchange(self, worker: int, job: ImageJob) -> tuple:
         """Send `job` to `worker` and read its answer (the worker's lock held)."""
