@@ -57,6 +57,19 @@ def checkpoints(tmp_path_factory, tokenizer_files, qwen2_tokenizer_dir):  # noqa
     return get
 
 
+@pytest.fixture(scope="module")
+def bf16_runs(checkpoints):
+    """`generate` in bfloat16 with CUDA graphs, once per family (two tests read it)."""
+    made: dict[str, list] = {}
+
+    def get(family: str) -> list:
+        if family not in made:
+            made[family] = generate(checkpoints(family), family, "bfloat16")
+        return made[family]
+
+    return get
+
+
 def free(llm: LLM) -> None:
     llm.shutdown()
     del llm
@@ -125,9 +138,9 @@ def top5_errors(family: str, path: Path, prompts, outs, dtype: torch.dtype) -> l
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_as_close_as_transformers(checkpoints, family):
+def test_bf16_as_close_as_transformers(checkpoints, bf16_runs, family):
     path = checkpoints(family)
-    prompts, outs, replays = generate(path, family, "bfloat16")
+    prompts, outs, replays = bf16_runs(family)
     assert replays > 0  # decode ran under CUDA graphs
     ours, theirs = top5_errors(family, path, prompts, outs, torch.bfloat16)
     mean_ours, mean_theirs = sum(ours) / len(ours), sum(theirs) / len(theirs)
@@ -146,9 +159,9 @@ def test_float32_equals_transformers(checkpoints, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_graphs_match_eager(checkpoints, family):
+def test_cuda_graphs_match_eager(checkpoints, bf16_runs, family):
     path = checkpoints(family)
     _, eager, eager_replays = generate(path, family, "bfloat16", enforce_eager=True)
-    _, graphs, replays = generate(path, family, "bfloat16")
+    _, graphs, replays = bf16_runs(family)
     assert eager_replays == 0 and replays > 0
     assert_same_greedy(graphs, eager, "bfloat16")
