@@ -11,10 +11,11 @@ workers prepare the rest.
 Workers are fresh interpreters started with `subprocess`, as the tokenizer workers are
 (`tokenize_pool.py`): nothing of the parent's CUDA context is inherited and the user's
 `__main__` is not imported again. Messages are pickles over each worker's stdin / stdout:
-`{"path", "image_token_id", "default_kwargs"}` once, answered by `("ready", pid)` (or
-`("failed", message)`); then per prompt `(index, text, token_ids, images, kwargs)`,
-answered by `("ok", token_ids, images)` with each image's tensors as numpy arrays, or
-`("error", kind, message)` for a prompt its processor refuses. A worker exits when its
+`{"path", "image_token_id", "default_kwargs", "pixel_dtype"}` once, answered by
+`("ready", pid)` (or `("failed", message)`); then per prompt `(index, text, token_ids,
+images, kwargs)`, answered by `("ok", token_ids, images)` with each image's tensors as
+numpy arrays (bfloat16 ones as their int16 bits), or `("error", kind, message)` for a
+prompt its processor refuses. A worker exits when its
 stdin closes, so none outlives the parent.
 """
 
