@@ -171,7 +171,7 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{derived_len}; lower it or use a model with rope scaling"
             )
-        max_num_seqs = self.max_num_seqs or default_max_num_seqs(runner_type, device)
+        max_num_seqs = self.max_num_seqs or default_max_num_seqs(runner_type)
         max_batched = self.max_num_batched_tokens or max(
             default_max_num_batched_tokens(runner_type, device), max_num_seqs
         )
@@ -571,13 +571,11 @@ LARGE_GPU_BYTES = 70 * 2**30
 """GPUs with at least this much memory (H100, H200, ...) get the larger default budget."""
 
 
-def default_max_num_seqs(runner_type: str, device: torch.device) -> int:
-    """Most sequences at once when none is given: for generation vLLM's default for its
-    `LLM`, 1024 on a GPU with at least 70 GiB and 256 elsewhere; 4096 inputs per forward for
-    pooling (short texts: the token budget, not the count, should bound a batch)."""
-    if runner_type != "generate":
-        return 4096
-    return 1024 if _is_large_gpu(device) else 256
+def default_max_num_seqs(runner_type: str) -> int:
+    """Most sequences at once when none is given: 256 requests for generation (vLLM's
+    default), 4096 inputs per forward for pooling (short texts: the token budget, not the
+    count, should bound a batch)."""
+    return 256 if runner_type == "generate" else 4096
 
 
 def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> int:
@@ -585,18 +583,11 @@ def default_max_num_batched_tokens(runner_type: str, device: torch.device) -> in
     generation (fewer, larger prefill steps, a little faster) and 32768 for pooling (an
     encoder's forward of short texts is too small to fill the GPU below that); else 8192.
     See docs/performance.md."""
-    if _is_large_gpu(device):
-        return 16384 if runner_type == "generate" else 32768
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
+            return 16384 if runner_type == "generate" else 32768
     return 8192
-
-
-def _is_large_gpu(device: torch.device) -> bool:
-    """A CUDA device with at least `LARGE_GPU_BYTES` of memory (vLLM's rule also leaves out
-    the A100 80 GB, which batchlm does not)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES
 
 
 def _supported() -> list[str]:
