@@ -67,14 +67,10 @@ class PendingImagePrompts:
 
         Raises:
             InvalidPromptError, InvalidParamError: naming the first bad prompt found (the
-                rest are then dropped).
+                caller then `cancel`s the rest).
         """
         ready = self._batch.take(block, self._fallback)
-        try:
-            return [(i, self._finish(i, processed)) for i, processed in ready]
-        except BaseException:
-            self._batch.cancel()
-            raise
+        return [(i, self._finish(i, processed)) for i, processed in ready]
 
     def cancel(self) -> None:
         self._batch.cancel()
@@ -103,45 +99,40 @@ def prepare_requests(
     params_list = params_per_prompt(engine, sampling_params, n, default_params)
     priorities = priority_per_prompt(priority, n, engine.config.scheduler.policy)
     jobs = _image_jobs(engine, prompt_dicts)
+    with_images = {job.index for job in jobs}
     pool = engine.image_workers.pool_for(len(jobs)) if jobs else None
     batch = pool.submit(jobs) if pool is not None else None
-    processed: dict[int, Any] = {}
     try:
+        processed: dict[int, Any] = {}
         if batch is None:
-            processed = {job.index: _process(engine, job) for job in jobs}
-        token_lists = _tokenize(engine, prompt_dicts, processed, {job.index for job in jobs})
+            processed = {job.index: process_job(engine.image_processor, job) for job in jobs}
+        token_lists = _tokenize(engine, prompt_dicts, processed, with_images)
+
+        def finish(i: int, prompt: Any) -> GenerationRequest:
+            ids = prompt.prompt_token_ids if prompt is not None else token_lists[i]
+            prompt_images = prompt.images if prompt is not None else ()
+            if prompt_images and engine.scheduler.has_bidirectional_images:
+                _check_whole_images_fit(engine, i, prompt_images)
+            return _request(
+                engine, i, prompt_dicts[i], ids, params_list[i], priorities[i], prompt_images
+            )
+
+        requests: list[GenerationRequest | None] = [
+            None if batch is not None and i in with_images else finish(i, processed.get(i))
+            for i in range(n)
+        ]
+        if batch is None:
+            return PreparedCall(requests)
+        pending = PendingImagePrompts(batch, engine.image_processor, finish)
+        if not wait:
+            return PreparedCall(requests, pending)
+        while not pending.done:
+            for i, request in pending.take(block=True):
+                requests[i] = request
     except BaseException:
         if batch is not None:
             batch.cancel()
         raise
-
-    def finish(i: int, prompt: Any) -> GenerationRequest:
-        ids = prompt.prompt_token_ids if prompt is not None else token_lists[i]
-        prompt_images = prompt.images if prompt is not None else ()
-        if prompt_images and engine.scheduler.has_bidirectional_images:
-            _check_whole_images_fit(engine, i, prompt_images)
-        return _request(
-            engine, i, prompt_dicts[i], ids, params_list[i], priorities[i], prompt_images
-        )
-
-    requests: list[GenerationRequest | None] = [None] * n
-    waiting = {job.index for job in jobs} if batch is not None else set()
-    try:
-        for i in range(n):
-            if i not in waiting:
-                requests[i] = finish(i, processed.get(i))
-    except BaseException:
-        if batch is not None:
-            batch.cancel()
-        raise
-    if batch is None:
-        return PreparedCall(requests)
-    pending = PendingImagePrompts(batch, engine.image_processor, finish)
-    if not wait:
-        return PreparedCall(requests, pending)
-    while not pending.done:
-        for i, request in pending.take(block=True):
-            requests[i] = request
     return PreparedCall(requests)
 
 
@@ -165,10 +156,6 @@ def _request(
     merge = engine.config.multimodal.mrope_merge_size if images else None
     mrope = mrope_positions(len(ids), images, merge) if merge else None
     return GenerationRequest(ids, params, p.get("prompt"), priority, images, mrope)
-
-
-def _process(engine: LLMEngine, job: ImageJob) -> Any:
-    return process_job(engine.image_processor, job)
 
 
 def _image_jobs(engine: LLMEngine, prompt_dicts: list[dict[str, Any]]) -> list[ImageJob]:

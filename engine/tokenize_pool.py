@@ -237,10 +237,15 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
         send_message(replies, reply)
 
 
-if __name__ == "__main__":
-    # Ctrl-C reaches the whole process group: the parent decides, and closes our stdin.
+def worker_channels() -> tuple[BinaryIO, BinaryIO]:
+    """A worker process's (requests, replies) streams. Ctrl-C reaches the whole process
+    group, so the worker ignores it (the parent decides, and closes its stdin); replies get
+    their own descriptor, and anything a library prints goes to stderr instead."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Replies get their own descriptor; anything a library prints goes to stderr instead.
-    _replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, _replies)
+    return sys.stdin.buffer, replies
+
+
+if __name__ == "__main__":
+    _serve(*worker_channels())

@@ -12,8 +12,7 @@ Workers are fresh interpreters started with `subprocess`, as the tokenizer worke
 (`tokenize_pool.py`): nothing of the parent's CUDA context is inherited and the user's
 `__main__` is not imported again. Messages are pickles over each worker's stdin / stdout:
 `{"path", "image_token_id", "default_kwargs", "pixel_dtype"}` once, answered by
-`("ready", pid)` (or `("failed", message)`); then per prompt `(index, text, token_ids,
-images, kwargs)`, answered by `("ok", token_ids, images)` with each image's tensors as
+`("ready", pid)` (or `("failed", message)`); then per prompt its `ImageJob`, answered by `("ok", token_ids, images)` with each image's tensors as
 numpy arrays (bfloat16 ones as their int16 bits), or `("error", kind, message)` for a
 prompt its processor refuses. A worker exits when its
 stdin closes, so none outlives the parent.
@@ -24,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -36,7 +34,7 @@ import torch
 
 from .. import envs
 from ..errors import InvalidPromptError, UnsupportedModelError
-from ..tokenize_pool import end_workers, recv_message, send_message
+from ..tokenize_pool import end_workers, recv_message, send_message, worker_channels
 from .inputs import ImageInput
 from .processor import ImagePromptProcessor, ProcessedPrompt
 
@@ -160,7 +158,7 @@ class ImagePool:
             if reply[0] != "ready":
                 raise ImagePoolError(f"image worker {proc.pid} could not start: {reply[1]}")
             self._ready[worker] = True
-        send_message(proc.stdin, (job.index, job.text, job.token_ids, job.images, job.kwargs))
+        send_message(proc.stdin, job)
         return recv_message(proc.stdout)
 
 
@@ -293,13 +291,8 @@ def _tensor(v: Any) -> torch.Tensor:
 
 def serve() -> None:
     """A worker's loop: load the processor, then answer prompts until stdin closes."""
-    # Ctrl-C reaches the whole process group: the parent decides, and closes our stdin.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    requests, replies = worker_channels()
     torch.set_num_threads(1)
-    # Replies get their own descriptor; anything a library prints goes to stderr instead.
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    requests = sys.stdin.buffer
     try:
         init = recv_message(requests)
     except EOFError:
@@ -315,10 +308,9 @@ def serve() -> None:
     send_message(replies, ("ready", os.getpid()))
     while True:
         try:
-            index, text, token_ids, images, kwargs = recv_message(requests)
+            job = recv_message(requests)
         except EOFError:
             return
-        job = ImageJob(index, text, token_ids, images, kwargs)
         try:
             out = process_job(processor, job)
             reply: tuple = (
