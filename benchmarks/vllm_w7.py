@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 from common import Recorder
-from w7 import COMMON, NUM_REQUESTS, OUTPUT_LEN, ensure_folder, prompt_text, timed_run
+from w7 import (
+    COMMON,
+    NUM_REQUESTS,
+    OUTPUT_LEN,
+    ensure_folder,
+    library_versions,
+    prompt_text,
+    timed_run,
+)
 
 
 def main() -> None:
@@ -29,8 +37,6 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = ensure_folder(Path(args.model_dir))
     text = prompt_text(folder)
-    import torch
-    import transformers
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -49,8 +55,7 @@ def main() -> None:
         value=max(tok_s), runs=tok_s, requests_per_s=max(req_s), requests_per_s_runs=req_s,
         num_requests=NUM_REQUESTS, prompt_len=runs[0][2], output_len=OUTPUT_LEN,
         model="Qwen2.5-VL-7B shape, random weights (dummy)", dtype=COMMON["dtype"],
-        init_seconds=round(init_s, 1), transformers=transformers.__version__,
-        torch=torch.__version__,
+        init_seconds=round(init_s, 1), **library_versions(),
     )  # fmt: skip
 
 

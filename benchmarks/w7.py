@@ -193,6 +193,25 @@ def timed_run(llm, params, text: str, seed: int, num: int) -> tuple[float, int, 
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), len(outs[0].prompt_token_ids)
 
 
+def library_versions() -> dict[str, str | None]:
+    """The libraries both engines share here (the image processor is transformers' on
+    torchvision), for each record."""
+    import importlib.metadata
+
+    import torch
+    import transformers
+
+    try:
+        torchvision = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        torchvision = None
+    return {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision,
+    }
+
+
 def vllm_record(path: str | None) -> dict | None:
     if not path:
         return None
@@ -232,7 +251,6 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one run here")
     args = ap.parse_args()
     import torch
-    import transformers
 
     from batchlm.engine import LLM, SamplingParams
     from batchlm.engine.multimodal.image_pool import ImageJob, process_job
@@ -303,7 +321,7 @@ def main() -> None:
         num_requests=num_requests, image=f"{WIDTH}x{HEIGHT}", prompt_len=prompt_len,
         output_len=output_len, model="tiny (smoke)" if args.smoke else
         "Qwen2.5-VL-7B shape, random weights (dummy)", dtype=options["dtype"], init_seconds=round(init_s, 1),
-        transformers=transformers.__version__, torch=torch.__version__,
+        **library_versions(),
     )  # fmt: skip
 
 
