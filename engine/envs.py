@@ -71,7 +71,7 @@ def programmatic_launch() -> bool:
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one
-    peer-memory kernel (`kernels/all_reduce.py`), where the all-reduce and the norm are
+    peer-memory kernel (`gpu_kernels/all_reduce.py`), where the all-reduce and the norm are
     otherwise two kernels. Default off: not yet measured against the two kernels on GPUs."""
     return _switch("BATCHLM_FUSED_ALL_REDUCE_NORM", False)
 

@@ -5,7 +5,7 @@ The graph is read from the source with `ast` (imports inside functions and under
 
 - modules: no module reaches itself through imports;
 - folders: every subpackage (`engine/worker`, `engine/models/layers`, ...) is one node, and
-  each module directly in a top package (`engine/llm.py`, `kernels/gemv.py`) its own;
+  each module directly in a top package (`engine/llm.py`, `gpu_kernels/gemv.py`) its own;
   no folder reaches itself either, so that one package never both uses and serves another.
 
 `engine/core/` (scheduler, KV cache manager) is pure bookkeeping: it imports nothing from
@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "engine": "batchlm.engine",
-    "kernels": "batchlm.kernels",
+    "gpu_kernels": "batchlm.kernels",
     "operators": "batchlm.operators",
     "pipelines": "batchlm.pipelines",
 }

@@ -3,7 +3,7 @@
 Per case (rows M, in K, out N), in milliseconds (median):
 
 - `bf16`: `F.linear(x, w)` with bfloat16 `x` and `w`;
-- `fp8`: the engine's fp8 path on CUDA: `kernels/quant_fp8.py` quantises `x` per token,
+- `fp8`: the engine's fp8 path on CUDA: `gpu_kernels/quant_fp8.py` quantises `x` per token,
   then `torch._scaled_mm` (row-wise scales, bfloat16 out);
 - `fp8_torch_quant`: the same matmul after the PyTorch quantisation
   (`quant.quantize_fp8_per_token`, the path before the kernel);

@@ -1,4 +1,4 @@
-"""One-row linear layers (a decode step at batch 1): `kernels/gemv.py` against `F.linear`
+"""One-row linear layers (a decode step at batch 1): `gpu_kernels/gemv.py` against `F.linear`
 (cuBLAS) on the Llama-3.1-8B shapes of W3, bf16, over a sweep of launch configurations;
 the `_tp2` shapes are one rank's share with tensor_parallel_size=2 (W3-tp2).
 

@@ -3,7 +3,7 @@ projection's base matmul alone against the matmul followed by its LoRA launches 
 kernel at <= 4 rows; shrink + expand above, rows round-robin over the 16 adapters), as the
 layer runs them, in microseconds per call. At <= 4 rows `down_proj`'s input is made by the
 SiLU-and-mul from a `[rows, 2 * 14336]` gate|up output, which does the adapter's shrink on
-the way (`kernels/lora_act_shrink.py`): its base is that activation and the matmul, its LoRA
+the way (`gpu_kernels/lora_act_shrink.py`): its base is that activation and the matmul, its LoRA
 launches the activation with the shrink and the fused kernel adding up the partials.
 
 Each measurement replays a CUDA graph of back-to-back calls cycling over enough copies of

@@ -1,5 +1,5 @@
 """The W4A16 kernel table: microseconds, weight-read GB/s and TFLOP/s per layer of the
-Llama-3.1-8B shape at 1, 16, 64, 256 and 2,048 rows, for the int4 GEMM (`kernels/w4a16.py`,
+Llama-3.1-8B shape at 1, 16, 64, 256 and 2,048 rows, for the int4 GEMM (`gpu_kernels/w4a16.py`,
 the launch its table chooses), against bf16 cuBLAS (`F.linear` on the bf16 weight) and
 against dequantize + cuBLAS, on a CUDA GPU. Weights as W3-int4's: GPTQ-like, groups of
 128, symmetric, bf16 activations and scales.
@@ -14,7 +14,7 @@ output is checked against `w4a16_ref` first (relative error < 1e-2).
     python3 benchmarks/tools/bench_w4a16.py --rows 16 --launch 16,128,128,4,4,3,swap_ab
     python3 benchmarks/tools/bench_w4a16.py --table $OUT/w4a16.json --out $OUT/w4a16_kernels.jsonl
 
-The launches are the repository's table's (`kernels/configs/w4a16.json`), another table's
+The launches are the repository's table's (`gpu_kernels/configs/w4a16.json`), another table's
 (`--table`, a tuner's output before it is copied there) or the one `--launch` names. `--tp
 2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
 `workload` "W4A16-kernel", `value` the int4 microseconds, `baseline_value` bf16 cuBLAS's,

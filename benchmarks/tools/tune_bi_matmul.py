@@ -1,4 +1,4 @@
-"""Launches of the batch-invariant matmul (`kernels/matmul.py`) on the Llama-3.1-8B layers,
+"""Launches of the batch-invariant matmul (`gpu_kernels/matmul.py`) on the Llama-3.1-8B layers,
 timed at the row counts of W3 (1), of a W1 decode step (256) and of a W1 prefill chunk
 (16,384), against `F.linear` (cuBLAS), with each launch's invariance checked on the device.
 
@@ -22,7 +22,7 @@ measurement, then per shape the launch with the least W1 cost:
 `prefill_us * 8 + decode_us * 255` (a W1 run: 8 prefill chunks of 16,384 rows, 255 decode
 steps of 256 rows).
 
-`--table-out` writes the launch table `matmul` reads (`kernels/configs/matmul.json`): per
+`--table-out` writes the launch table `matmul` reads (`gpu_kernels/configs/matmul.json`): per
 shape, one launch per row count (1, 256, 16,384). Where every pair of launches compared
 on the shape gave the same bits, `block_k` included, each row count takes its fastest
 launch whatever its `block_k` (the entry then says `"same_bits_across_block_k": true`);

@@ -1,5 +1,5 @@
 """Sweep the launches of `fused_moe`'s two grouped GEMMs on a CUDA GPU and write the launch
-table `fused_moe` reads (`kernels/configs/fused_moe.json`, see `kernels/moe_launch.py`).
+table `fused_moe` reads (`gpu_kernels/configs/fused_moe.json`, see `gpu_kernels/moe_launch.py`).
 
 Shape: W6's experts (Qwen3-30B-A3B: 128 experts of width 768 over hidden 2048, top 8,
 bf16 activations), with bf16 weights and with fp8 weights (per-channel scales), for
@@ -17,7 +17,7 @@ each GEMM's fastest launch. The winner and the current launch are then timed as 
 
 Output: one JSON line per measurement on stdout (and `--log`), then the table: the
 repository's entries for other devices / shapes kept, this device's W6 entries replaced,
-written to `--out`. Copy it to `kernels/configs/fused_moe.json` to keep it.
+written to `--out`. Copy it to `gpu_kernels/configs/fused_moe.json` to keep it.
 
     python3 benchmarks/tools/tune_moe.py --out $OUT/fused_moe.json --log $OUT/tune_moe.jsonl
 

@@ -1,5 +1,5 @@
 """Sweep the launches of the W4A16 GEMM on a CUDA GPU and write the launch table `w4a16`
-reads (`kernels/configs/w4a16.json`, see `kernels/w4a16_launch.py`).
+reads (`gpu_kernels/configs/w4a16.json`, see `gpu_kernels/w4a16_launch.py`).
 
 Shapes: the Llama-3.1-8B layers on one rank (q|k|v 6144 x 4096, o 4096 x 4096, gate|up
 28672 x 4096, down 4096 x 14336; `--tp 2` for one rank's share at tensor_parallel_size=2),
@@ -15,7 +15,7 @@ where that is dequantize + cuBLAS, the table says `"cublas"` (the log shows by h
 Output: one JSON line per measurement on stdout (and `--log`), then the table written to
 `--out`: the table already there (an earlier run's; else the repository's) with this
 device's buckets for the swept shapes replaced bucket by bucket, so runs over different
-`--m` or `--shape` subsets add up. Copy it to `kernels/configs/w4a16.json` to keep it.
+`--m` or `--shape` subsets add up. Copy it to `gpu_kernels/configs/w4a16.json` to keep it.
 
     python3 benchmarks/tools/tune_w4a16.py --out $OUT/w4a16.json --log $OUT/tune_w4a16.jsonl
     python3 benchmarks/tools/tune_w4a16.py --m 16 --m 64 --m 256 --out $OUT/w4a16.json

@@ -1,4 +1,4 @@
-"""All-reduce through peer GPU memory for small tensors (see `kernels/all_reduce.py`).
+"""All-reduce through peer GPU memory for small tensors (see `gpu_kernels/all_reduce.py`).
 
 Each rank allocates one device buffer (two halves of data, one slot per rank in each, then
 its flags) with the CUDA driver, exports it as a CUDA IPC handle through the group's store,

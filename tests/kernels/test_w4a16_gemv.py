@@ -1,4 +1,4 @@
-"""The matrix-vector form of the W4A16 GEMM (`kernels/w4a16_gemv.py`) against its reference:
+"""The matrix-vector form of the W4A16 GEMM (`gpu_kernels/w4a16_gemv.py`) against its reference:
 one row, scale groups of 32, 64, 128 and one per channel, symmetric and not, activation
 order on and off, K split and not, steps within a group and over whole groups, the weights
 loaded a step ahead and not, widths that divide N and not; how launches are fitted to a

@@ -3,7 +3,7 @@
 GPTQ, AWQ and compressed-tensors checkpoints differ only in how their loaders
 (`loader/int4_formats.py`) unpack them; each hands this module its projection as plain
 tensors (`Int4Part`: one nibble per byte, the features in the checkpoint's order), and
-`pack_int4` lays them out as `kernels/w4a16.py` reads them:
+`pack_int4` lays them out as `gpu_kernels/w4a16.py` reads them:
 
 - `qweight` int32 `[K / 8, N]`, eight features per word along K;
 - `scales` `[G, N]` in the activation dtype, `zeros` uint8 `[G, N]` (absent when every

@@ -59,7 +59,7 @@ def batch_invariant_linear(
 ) -> torch.Tensor:
     """`x W^T (* weight_scale) (+ bias)`, `[..., in]` → `[..., out]`, where each row is
     computed the same way whatever the other rows: the Triton kernel on CUDA, elsewhere its
-    reference, which multiplies fixed chunks of rows (`kernels/matmul.py`)."""
+    reference, which multiplies fixed chunks of rows (`gpu_kernels/matmul.py`)."""
     from batchlm.kernels.matmul import matmul, matmul_ref
 
     shape = x.shape

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLP: a router picks `top_k` experts per token, whose gated MLPs run
-over stacked weights (`kernels/fused_moe.py` on CUDA, its PyTorch reference elsewhere).
+over stacked weights (`gpu_kernels/fused_moe.py` on CUDA, its PyTorch reference elsewhere).
 
 With `quantization="fp8"` the stacked expert weights are stored in float8_e4m3fn with
 per-channel scales (`ExpertWeights.quantize_fp8`) and run through the same kernels; the

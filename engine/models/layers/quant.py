@@ -4,7 +4,7 @@ Weights are stored with one scale per output channel (`weight_scale`, float32 `[
 that `W ≈ weight.float() * weight_scale[:, None]`:
 
 - `fp8`: e4m3 weights. On CUDA devices of capability 8.9 or more (Ada, Hopper) activations
-  are quantised per token at run time (one Triton kernel, `kernels/quant_fp8.py`) and
+  are quantised per token at run time (one Triton kernel, `gpu_kernels/quant_fp8.py`) and
   `torch._scaled_mm` multiplies the two in fp8 (row-wise scales, bfloat16 output).
   Elsewhere the weights are dequantised to the activation dtype: per matmul on CUDA (the
   weights stay fp8 in memory), once at load on CPU (the CPU matmul of the dequantised

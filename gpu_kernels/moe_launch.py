@@ -1,5 +1,5 @@
 """Launch configurations of the grouped expert GEMMs of `fused_moe`: a table kept in the
-repository (`kernels/configs/fused_moe.json`, written by `benchmarks/tools/tune_moe.py` on
+repository (`gpu_kernels/configs/fused_moe.json`, written by `benchmarks/tools/tune_moe.py` on
 the device it names), and defaults for every layer the table does not cover.
 
 The table is keyed by the device's name, the layer's sizes on this rank and the dtypes:

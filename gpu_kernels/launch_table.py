@@ -1,4 +1,4 @@
-"""Launch tables kept in the repository (`kernels/configs/*.json`): what the tables of
+"""Launch tables kept in the repository (`gpu_kernels/configs/*.json`): what the tables of
 `fused_moe` (`moe_launch.py`) and of the batch-invariant `matmul` share.
 
 A table is a JSON object `{"entries": [...]}`. Each entry names a layer's shape on one

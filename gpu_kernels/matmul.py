@@ -16,7 +16,7 @@ Weights may be stored in fp8 (e4m3) or int8 with one float32 scale per output ch
 scale applied to the float32 sum (weight-only quantization; the activations are not
 quantized).
 
-Launches come from a table kept in the repository (`kernels/configs/matmul.json`, written
+Launches come from a table kept in the repository (`gpu_kernels/configs/matmul.json`, written
 by `benchmarks/tools/tune_bi_matmul.py` on the device it names), keyed by the device's
 name, `N`, `K` and the dtypes, with one launch per bucket of rows. The tile rows and
 columns, warps, stages (and with them Triton's choice between Hopper's `wgmma` and `mma`)

@@ -1,5 +1,5 @@
 """Mixture-of-experts: the grouped expert GEMMs over tokens routed and grouped by
-`kernels/moe_routing.py`.
+`gpu_kernels/moe_routing.py`.
 
 The plain-PyTorch reference below defines the result; the Triton kernels beside it compute
 the same on the device with no host synchronisation (so they run in CUDA graphs).
@@ -28,7 +28,7 @@ the GEMM's epilogue, into an intermediate buffer in the activation dtype; kernel
 the bytes of float32 to write and read back); then a last kernel weights each token's
 `top_k` slots by their routing weights and sums them in float32 in a fixed order (j = 0 ..
 top_k - 1, no atomics: deterministic), rounding once. Blocks past the padded total (their
-expert is -1) exit at once. Launches come from `kernels/moe_launch.py`.
+expert is -1) exit at once. Launches come from `gpu_kernels/moe_launch.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Launches of the W4A16 GEMM (`w4a16.py`): a table kept in the repository
-(`kernels/configs/w4a16.json`, written by `benchmarks/tools/tune_w4a16.py` on the device it
+(`gpu_kernels/configs/w4a16.json`, written by `benchmarks/tools/tune_w4a16.py` on the device it
 names), and defaults for every layer the table does not cover.
 
 The table is keyed by the device's name, the layer's sizes on this rank (`n` outputs, `k`
