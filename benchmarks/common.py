@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -13,6 +14,10 @@ import torch
 
 
 def git_commit() -> str:
+    """The tree's commit; `BENCH_COMMIT` when set (a device's copy of the working tree may
+    carry stale git metadata)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

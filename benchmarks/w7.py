@@ -222,9 +222,43 @@ def vllm_record(path: str | None) -> dict | None:
     return None
 
 
-def profile_run(fn, path: str) -> None:
+def device_timeline(prof) -> dict:
+    """How busy the device was over a profiled call: the union of its kernels' and copies'
+    spans against the whole span, and the longest idle gaps (start, from the first kernel,
+    and length, in ms)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return {}
+    first, busy, gaps = spans[0][0], 0.0, []
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((end - first, s - end))
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    whole = end - first
+    longest = sorted(gaps, key=lambda g: -g[1])[:20]
+    return {
+        "span_ms": round(whole / 1e3, 1),
+        "busy_ms": round(busy / 1e3, 1),
+        "busy_share": round(busy / whole, 3),
+        "idle_in_gaps_over_1ms": round(sum(g for _, g in gaps if g > 1e3) / 1e3, 1),
+        "longest_gaps_ms": [(round(a / 1e3, 1), round(g / 1e3, 2)) for a, g in longest],
+    }
+
+
+def profile_run(fn, path: str) -> dict:
     """`fn()` under torch.profiler: the kernels by device time and the host ops by their
-    own time, as tables in `path`."""
+    own time, as tables in `path`, and the device's timeline (`device_timeline`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -234,11 +268,114 @@ def profile_run(fn, path: str) -> None:
     with profile(activities=activities) as prof:
         fn()
     table = prof.key_averages()
+    timeline = device_timeline(prof)
     with open(path, "w") as f:
+        f.write(f"# device timeline\n{json.dumps(timeline)}\n\n")
         for key in ("cuda_time_total", "self_cpu_time_total"):
             f.write(
                 f"# by {key}\n{table.table(sort_by=key, row_limit=45, max_name_column_width=70)}\n"
             )
+    return timeline
+
+
+CHANGES = ("pad", "silu", "mrope", "addnorm")
+"""What `--without` can take back, for an A/B in another process on the same machine: the
+tower MLP's padded width, its fused SiLU-and-mul, M-RoPE's per-step angle table through
+the rotary kernels (image steps), and the tower's residual adds fused into its RMSNorms."""
+
+
+def take_back(changes: set[str]) -> None:
+    """Put back the code paths the named changes replaced (before the engine is built)."""
+    from batchlm.engine.models import qwen2_5_vl, qwen2_vl
+    from batchlm.engine.models.layers import attention, rotary
+
+    if "pad" in changes:
+        qwen2_5_vl.GatedVisionMLP.after_loading = lambda self: None
+    if "silu" in changes:
+        init = qwen2_5_vl.GatedVisionMLP.__init__
+
+        def unfused(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.act_and_mul = None
+
+        qwen2_5_vl.GatedVisionMLP.__init__ = unfused
+    if "addnorm" in changes:
+
+        def separate_adds(self, x, residual, cos_sin, plan):
+            x = x if residual is None else x + residual
+            x = x + self.attn(self.norm1(x), cos_sin, plan)
+            return self.mlp(self.norm2(x)), x
+
+        qwen2_vl.VisionBlock.add_forward = separate_adds
+    if "mrope" in changes:
+        rotate_into_cache = attention.Attention.rotate_into_cache
+
+        def one_dim_only(self, rot, positions, *args):
+            return None if positions.dim() != 1 else rotate_into_cache(self, rot, positions, *args)
+
+        def layer_by_layer(self, positions, query, key):
+            if positions.dim() == 1:
+                return rotary.RotaryEmbedding.forward(self, positions, query, key)
+            rows = positions[self.channel_rows]
+            channels = rows.new_tensor(range(rows.shape[0]))[:, None]
+            cos_sin = self.cos_sin[:, rows, channels].transpose(1, 2)
+            cos = cos_sin[0].unsqueeze(1).to(query.dtype)
+            sin = cos_sin[1].unsqueeze(1).to(query.dtype)
+            return rotary._rotate(query, cos, sin), rotary._rotate(key, cos, sin)
+
+        attention.Attention.rotate_into_cache = one_dim_only
+        rotary.MRotaryEmbedding.forward = layer_by_layer
+
+
+def tower_ab(folder: Path, num_images: int = 38, reps: int = 3) -> dict:
+    """The vision tower alone on one step's images (`num_images` 640×480 images, about a
+    16,384-token step's worth), ms per call: as it was (separate SiLU and multiply, width
+    3,420, separate residual adds), then with each change added in turn (the fused
+    SiLU-and-mul, the padded width, the adds fused into the norms); one process, the same
+    weights. Run it last: it leaves the tower's classes as they are now."""
+    import torch
+    import transformers
+
+    from batchlm.engine.models.layers.activation import SiluAndMul
+    from batchlm.engine.models.qwen2_5_vl import Qwen2_5_VisionTower
+    from batchlm.engine.models.qwen2_vl import VisionBlock
+
+    vision = transformers.AutoConfig.from_pretrained(str(folder)).vision_config
+    device = torch.device("cuda")
+    with device:
+        tower = Qwen2_5_VisionTower(vision).to(torch.bfloat16)
+    grid = [[1, round(HEIGHT / 28) * 2, round(WIDTH / 28) * 2]] * num_images  # 34 × 46 patches
+    patches = sum(t * h * w for t, h, w in grid)
+    pixels = torch.randn(patches, 3 * 2 * 14 * 14, device=device, dtype=torch.bfloat16)
+
+    def ms() -> float:
+        with torch.no_grad():
+            tower(pixels, grid)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                tower(pixels, grid)
+            torch.cuda.synchronize()
+        return round((time.perf_counter() - t) / reps * 1e3, 2)
+
+    mlps = [block.mlp for block in tower.blocks]
+    fused_adds = VisionBlock.add_forward
+    take_back({"addnorm"})
+    for mlp in mlps:
+        mlp.act_and_mul = None
+    before = ms()
+    for mlp in mlps:
+        mlp.act_and_mul = SiluAndMul()
+    fused_silu = ms()
+    for mlp in mlps:
+        mlp.after_loading()
+    padded = ms()
+    VisionBlock.add_forward = fused_adds
+    return {
+        "images": num_images, "patches": patches, "before_ms": before,
+        "fused_silu_ms": fused_silu, "and_padded_ms": padded, "and_fused_adds_ms": ms(),
+        "mlp_width": mlps[0].down_proj.in_features,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -249,8 +386,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny model, to check the script")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one run here")
+    ap.add_argument("--without", default="", help=f"comma-separated, of {CHANGES}: A/B runs")
+    ap.add_argument("--tower-ab", action="store_true", help="time the tower alone, before/after")
     args = ap.parse_args()
     import torch
+
+    without = {c for c in args.without.split(",") if c}
+    if without - set(CHANGES):
+        raise SystemExit(f"--without takes {CHANGES}, not {sorted(without - set(CHANGES))}")
+    take_back(without)
 
     from batchlm.engine import LLM, SamplingParams
     from batchlm.engine.multimodal.image_pool import ImageJob, process_job
@@ -300,8 +444,8 @@ def main() -> None:
         process_job(processor, ImageJob(i, p["prompt"], None, [p["multi_modal_data"]["image"]], {}))
     prep_s = (time.perf_counter() - t) * num_requests / len(batch)
 
-    if args.profile:
-        profile_run(lambda: run(502, min(128, num_requests)), args.profile)
+    timeline = profile_run(lambda: run(502), args.profile) if args.profile else None
+    tower = tower_ab(folder) if args.tower_ab and not args.smoke else None
     rec = Recorder(args.out)
     tok_s = [round(n / dt, 1) for dt, n, _ in runs]
     req_s = [round(num_requests / dt, 3) for dt, _, _ in runs]
@@ -321,6 +465,7 @@ def main() -> None:
         num_requests=num_requests, image=f"{WIDTH}x{HEIGHT}", prompt_len=prompt_len,
         output_len=output_len, model="tiny (smoke)" if args.smoke else
         "Qwen2.5-VL-7B shape, random weights (dummy)", dtype=options["dtype"], init_seconds=round(init_s, 1),
+        without=sorted(without), device_timeline_profiled=timeline, tower_ab=tower,
         **library_versions(),
     )  # fmt: skip
 

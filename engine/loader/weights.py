@@ -353,6 +353,10 @@ def build_model(
             load_weights(model, iter_checkpoint(folder), packed, int4)
         if method is not None:
             finish_quantization(model, method, quantization)
+        for module in model.modules():  # layouts chosen for speed once the weights are in
+            after = getattr(module, "after_loading", None)
+            if callable(after):
+                after()
     # An inference engine's weights never need gradients; as in vLLM, a tensor read from
     # the model (say through collective_rpc) is then plain data, free to cross processes.
     model.requires_grad_(False)

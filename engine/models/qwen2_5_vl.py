@@ -68,6 +68,13 @@ def window_layout(
     return np.concatenate(order), cu
 
 
+HIDDEN_MULTIPLE = 8
+"""The tower MLP's hidden width is padded to a multiple of this many units after loading:
+Qwen2.5-VL-7B's 3,420 makes rows of 6,840 bytes in bfloat16, not the multiple of 16 that
+Hopper's TMA matrix kernels need, and cuBLAS then takes an Ampere kernel for the down
+projection, at about a third of the speed."""
+
+
 class GatedVisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
@@ -76,6 +83,29 @@ class GatedVisionMLP(nn.Module):
         # SiLU (Qwen2.5-VL's) in the decoders' fused kernel; another activation as it is.
         self.act_and_mul = SiluAndMul() if act == "silu" else None
         self.act = activation_of(act)
+
+    @torch.no_grad()
+    def after_loading(self) -> None:
+        """Pad the hidden width with zero units to a multiple of `HIDDEN_MULTIPLE`: zero
+        gate and up rows and biases, zero down-projection columns. Exact: a padded unit's
+        activation times its up value is act(0) × 0 = 0, and its column adds 0 to every
+        output. The weights read back from the model have the padded shapes."""
+        hidden = self.down_proj.in_features
+        padded = -(-hidden // HIDDEN_MULTIPLE) * HIDDEN_MULTIPLE
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if padded == hidden or gate_up.quant_method is not None:
+            return  # a quantized layout is the method's to keep
+        weight = gate_up.weight.new_zeros(2, padded, gate_up.in_features)
+        weight[:, :hidden] = gate_up.weight.view(2, hidden, -1)
+        bias = gate_up.bias.new_zeros(2, padded)
+        bias[:, :hidden] = gate_up.bias.view(2, hidden)
+        gate_up.weight = nn.Parameter(weight.view(2 * padded, -1), requires_grad=False)
+        gate_up.bias = nn.Parameter(bias.view(-1), requires_grad=False)
+        gate_up.out_features, gate_up.output_sizes = 2 * padded, [padded, padded]
+        wide = down.weight.new_zeros(down.out_features, padded)
+        wide[:, :hidden] = down.weight
+        down.weight = nn.Parameter(wide, requires_grad=False)
+        down.in_features = padded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -123,9 +153,11 @@ class Qwen2_5_VisionTower(nn.Module):
         cos_sin = self.rotary(positions)
         frames = attention_plan(frame_seqlens(grid_thw), x.device)
         windows = attention_plan(cu_windows, x.device)
+        residual = None  # RMSNorm adds each block's output to the stream as it normalises
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, frames if i in self.full_attention_layers else windows)
-        merged = self.merger(x)  # [num_blocks, out_hidden_size], window order
+            plan = frames if i in self.full_attention_layers else windows
+            x, residual = block.add_forward(x, residual, cos_sin, plan)
+        merged = self.merger(x + residual)  # [num_blocks, out_hidden_size], window order
         return merged[torch.argsort(order_t)]
 
 

@@ -3,6 +3,8 @@ with images, a step's image rows under chunking, and the vision-tower output cac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -87,3 +89,63 @@ def test_encoder_cache_keeps_needed_rows_and_drops_lru():
     cache.release("s", 3)  # 6 free rows: the least recently freed (1) goes
     assert 1 not in cache and 3 in cache
     assert cache.by_request == {} and cache.users == {}
+
+
+def test_tower_mlp_width_padded_at_load_gives_the_same_outputs():
+    """Qwen2.5-VL's gated tower MLP (7B: 3,420 wide) is padded to a multiple of 8 units
+    once loaded, by `build_model`; zero units change no output."""
+    from batchlm.engine.loader.weights import build_model
+    from batchlm.engine.models.qwen2_5_vl import GatedVisionMLP
+
+    for act in ("silu", "gelu_pytorch_tanh"):
+        torch.manual_seed(0)
+        mlp = GatedVisionMLP(32, 44, act)
+        for p in mlp.parameters():
+            torch.nn.init.normal_(p)
+        x = torch.randn(9, 32)
+        before = mlp(x)
+        mlp.after_loading()
+        assert mlp.down_proj.in_features == 48 and mlp.gate_up_proj.output_sizes == [48, 48]
+        assert tuple(mlp.gate_up_proj.weight.shape) == (96, 32)
+        torch.testing.assert_close(mlp(x), before)
+        mlp.after_loading()  # once padded, left alone
+        assert mlp.down_proj.in_features == 48
+
+    built = build_model(
+        GatedVisionMLP, Path("unused"), torch.float32, torch.device("cpu"),
+        load_format="dummy", dim=32, hidden=44, act="silu",
+    )  # fmt: skip
+    assert built.down_proj.in_features == 48
+
+
+def test_tower_block_with_the_adds_in_its_norms_equals_its_forward():
+    """Qwen2.5-VL's tower runs its blocks on (output, residual) pairs, RMSNorm adding the
+    residual in: the same stream as the blocks' plain forward."""
+    from batchlm.engine.models.layers.norm import RMSNorm
+    from batchlm.engine.models.qwen2_5_vl import GatedVisionMLP
+    from batchlm.engine.models.qwen2_vl import (
+        VisionAttention,
+        VisionBlock,
+        VisionRotary,
+        attention_plan,
+        patch_positions,
+    )
+
+    torch.manual_seed(0)
+    blocks = [
+        VisionBlock(RMSNorm(32, 1e-6), RMSNorm(32, 1e-6), VisionAttention(32, 2),
+                    GatedVisionMLP(32, 48, "silu"))
+        for _ in range(3)
+    ]  # fmt: skip
+    for block in blocks:
+        for p in block.norm1.parameters():
+            torch.nn.init.normal_(p, 1.0, 0.2)
+    x = torch.randn(24, 32)
+    cos_sin = VisionRotary(16)(patch_positions([[1, 4, 6]], 2))
+    plan = attention_plan([0, 24], x.device)
+    plain = x
+    out, residual = x, None
+    for block in blocks:
+        plain = block(plain, cos_sin, plan)
+        out, residual = block.add_forward(out, residual, cos_sin, plan)
+    torch.testing.assert_close(out + residual, plain)

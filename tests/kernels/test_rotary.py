@@ -203,3 +203,35 @@ def test_per_token_angles_match_the_vision_layer(dtype, device):
     )
     assert_close(out.query.cpu(), q_ref, ELEMENTWISE_TOLERANCE)
     assert_close(out.key.cpu(), k_ref, ELEMENTWISE_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mrope_token_table_into_cache_matches_the_layer(dtype, device):
+    """A step with image tokens (M-RoPE, `[3, num_tokens]` positions): the fused kernel
+    with the step's table of each token's angles stores what the layer's PyTorch path
+    rotates, and the table is built once for the step's positions."""
+    from batchlm.engine.models.layers.rotary import MRotaryEmbedding
+    from batchlm.kernels.write_kv_cache import write_kv_cache_ref
+
+    spec = RopeSpec("default", 10000.0, 64, {}, 256)
+    rotary = MRotaryEmbedding(spec, 64, 256, [8, 12, 12])
+    positions = torch.stack(  # text, then a 2 × 3 image grid, then text
+        [
+            torch.tensor([0, 1, 2, 2, 2, 2, 2, 2, 5, 6]),
+            torch.tensor([0, 1, 2, 2, 2, 3, 3, 3, 5, 6]),
+            torch.tensor([0, 1, 2, 3, 4, 2, 3, 4, 5, 6]),
+        ]
+    )
+    _, q, k, v, _, caches, slots = _into_cache_case(10, 4, 64, dtype, 16, device)
+    q_ref, k_ref = rotary(positions, q.cpu().float(), k.cpu().float())
+    expected = caches.clone().cpu().float()
+    write_kv_cache_ref(k_ref, v.cpu().float(), expected[0], expected[1], slots.cpu())
+
+    rotary = rotary.to(device)
+    on_device = positions.to(device)
+    index, table = rotary.token_table(on_device)
+    assert rotary.token_table(on_device)[1] is table  # once per step
+    assert table.shape == (2, 10, 64) and table.dtype == torch.float32
+    out_q = rotary_embedding_into_cache(index, q, k, v, table, caches[0], caches[1], slots)
+    assert_close(out_q.cpu(), q_ref.to(dtype), ELEMENTWISE_TOLERANCE)
+    assert_close(caches.cpu(), expected.to(dtype), ELEMENTWISE_TOLERANCE)

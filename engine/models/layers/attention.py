@@ -67,9 +67,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor | None:
         """`rotary` applied and the keys and values stored in one pass where the backend can
         (the rotated queries; then call `forward` with no key and value), else None.
-        Multimodal `[3, num_tokens]` positions (M-RoPE) are left to `rotary` itself."""
-        if positions.dim() != 1:
-            return None
+        Multimodal `[3, num_tokens]` positions (M-RoPE) rotate by the step's table of each
+        token's angles (`MRotaryEmbedding.token_table`)."""
+        if positions.dim() == 1:
+            cos_sin = rotary.cos_sin.float()
+        else:
+            positions, cos_sin = rotary.token_table(positions)
         return self.backend.rotate_into_cache(
-            positions, query, key, value, rotary.cos_sin.float(), kv_cache, metadata
+            positions, query, key, value, cos_sin, kv_cache, metadata
         )

@@ -273,6 +273,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.mrope_section = list(mrope_section)
         # [rotary_dim]: which of the three position rows each channel reads
         self.register_buffer("channel_rows", self._channel_rows(), persistent=False)
+        self._last_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _channel_rows(self) -> torch.Tensor:
         half = [torch.full((n,), i % 3) for i, n in enumerate(self.mrope_section)]
@@ -282,6 +283,21 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().reset_buffers()
         self.channel_rows = self._channel_rows().to(self.cos_sin.device)
 
+    def token_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[3, num_tokens]` positions → (`arange(num_tokens)`, `[2, num_tokens, rotary_dim]`
+        float32): each token's own row of angles, a table the rotary kernels index by token.
+        Built once per step: the layers share this module and the step's positions tensor,
+        so the last table is kept for the same tensor."""
+        last = self._last_table
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
+        rows = positions[self.channel_rows]  # [rotary_dim, num_tokens]
+        channels = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        table = self.cos_sin[:, rows, channels].transpose(1, 2).contiguous()
+        index = torch.arange(positions.shape[1], device=positions.device)
+        self._last_table = (positions, index, table)
+        return index, table
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] or [3, num_tokens]
@@ -290,9 +306,11 @@ class MRotaryEmbedding(RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().forward(positions, query, key)
-        rows = positions[self.channel_rows]  # [rotary_dim, num_tokens]
-        channels = torch.arange(rows.shape[0], device=rows.device)[:, None]
-        cos_sin = self.cos_sin[:, rows, channels].transpose(1, 2)  # [2, num_tokens, rot_dim]
+        index, cos_sin = self.token_table(positions)  # [2, num_tokens, rotary_dim]
+        if use_triton_kernels(query):
+            from batchlm.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(index, query, key, cos_sin)
         cos = cos_sin[0].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, rotary_dim]
         sin = cos_sin[1].unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
