@@ -278,16 +278,18 @@ def profile_run(fn, path: str) -> dict:
     return timeline
 
 
-CHANGES = ("pad", "silu", "mrope", "addnorm")
+CHANGES = ("pad", "silu", "mrope", "addnorm", "pin")
 """What `--without` can take back, for an A/B in another process on the same machine: the
 tower MLP's padded width, its fused SiLU-and-mul, M-RoPE's per-step angle table through
-the rotary kernels (image steps), and the tower's residual adds fused into its RMSNorms."""
+the rotary kernels (image steps), the tower's residual adds fused into its RMSNorms, and
+the image workers' answers pinned as they arrive (off the engine's thread)."""
 
 
 def take_back(changes: set[str]) -> None:
     """Put back the code paths the named changes replaced (before the engine is built)."""
     from batchlm.engine.models import qwen2_5_vl, qwen2_vl
     from batchlm.engine.models.layers import attention, rotary
+    from batchlm.engine.multimodal import image_pool
 
     if "pad" in changes:
         qwen2_5_vl.GatedVisionMLP.after_loading = lambda self: None
@@ -299,6 +301,13 @@ def take_back(changes: set[str]) -> None:
             self.act_and_mul = None
 
         qwen2_5_vl.GatedVisionMLP.__init__ = unfused
+    if "pin" in changes:
+        pool_init = image_pool.ImagePool.__init__
+
+        def unpinned(self, *args, **kwargs):
+            pool_init(self, *args, **dict(kwargs, pin_memory=False))
+
+        image_pool.ImagePool.__init__ = unpinned
     if "addnorm" in changes:
 
         def separate_adds(self, x, residual, cos_sin, plan):

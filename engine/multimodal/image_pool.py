@@ -93,9 +93,14 @@ class ImagePool:
         default_kwargs: Mapping[str, Any],
         num_workers: int,
         pixel_dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
+        self.pin_memory = pin_memory
+        """Floating-point tensors arrive in pinned (page-locked) host memory, copied there
+        by the thread that reads the answer: the runner then sends each image to the device
+        without a pass over it on the engine's thread."""
         self._procs: list[subprocess.Popen] = []
         self._locks: list[threading.Lock] = []
         self._ready = [False] * num_workers
@@ -209,7 +214,7 @@ class ImageBatch:
                 break
             job, answer = reply
             if answer[0] == "ok":
-                out.append((job.index, _processed(answer)))
+                out.append((job.index, answer[1]))
                 del self._left[job.index]
             elif answer[0] == "error":
                 self.cancel()
@@ -241,7 +246,7 @@ class ImageBatch:
             except queue.Empty:
                 return out
             if answer[0] == "ok" and job.index in self._left:
-                out.append((job.index, _processed(answer)))
+                out.append((job.index, answer[1]))
 
     def _run(self, worker: int) -> None:
         pool = self._pool
@@ -255,6 +260,8 @@ class ImageBatch:
                     if pool.is_failed:
                         raise ImagePoolError("another image worker failed")
                     answer = pool._exchange(worker, job)
+                if answer[0] == "ok":  # tensors made here, off the engine's thread
+                    answer = ("ok", _processed(answer, pool.pin_memory))
             except Exception as e:  # a dead worker, or a message that cannot travel
                 pool.is_failed = True
                 code = pool._procs[worker].poll()
@@ -264,12 +271,12 @@ class ImageBatch:
             self._results.put((job, answer))
 
 
-def _processed(answer: tuple) -> ProcessedPrompt:
+def _processed(answer: tuple, pin_memory: bool = False) -> ProcessedPrompt:
     _, token_ids, images = answer
     return ProcessedPrompt(
         token_ids,
         tuple(
-            ImageInput({k: _tensor(v) for k, v in data.items()}, offset, length, digest)
+            ImageInput({k: _tensor(v, pin_memory) for k, v in data.items()}, offset, length, digest)
             for data, offset, length, digest in images
         ),
     )
@@ -283,10 +290,15 @@ def _wire(t: torch.Tensor) -> Any:
     return t.numpy()
 
 
-def _tensor(v: Any) -> torch.Tensor:
+def _tensor(v: Any, pin_memory: bool = False) -> torch.Tensor:
     if isinstance(v, tuple):  # ("bfloat16", int16 bits)
-        return torch.from_numpy(v[1]).view(torch.bfloat16)
-    return torch.from_numpy(v)
+        t = torch.from_numpy(v[1]).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(v)
+    if not (pin_memory and t.is_floating_point()):
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return pinned.copy_(t)
 
 
 def serve() -> None:
@@ -373,7 +385,12 @@ class ImageWorkers:
         p = self.processor
         try:
             self._pool = ImagePool(
-                p.path, p.image_token_id, p.default_kwargs, num_workers, p.pixel_dtype
+                p.path,
+                p.image_token_id,
+                p.default_kwargs,
+                num_workers,
+                p.pixel_dtype,
+                pin_memory=self._is_cuda and torch.cuda.is_available(),
             )
         except ImagePoolError as e:
             self._drop(e)

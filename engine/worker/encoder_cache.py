@@ -281,13 +281,21 @@ class ImageEmbedder:
     def _to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """`parts` concatenated on the device (floating point) or on the host (integers:
         `encode_images` reads grids there); on CUDA through pinned memory, so the host goes
-        on while the pixels travel (the caching host allocator keeps the block until the
-        copy is done)."""
+        on while the pixels travel (the caching host allocator keeps each block until its
+        copy is done). Parts already pinned (the image workers' answers) go one copy each
+        into their rows; others are gathered into one pinned block first."""
         if not parts[0].is_floating_point():
             return torch.cat(parts)
         if self.device.type != "cuda":
             return torch.cat(parts).to(self.device)
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if all(p.is_pinned() for p in parts):
+            out = torch.empty(shape, dtype=parts[0].dtype, device=self.device)
+            first = 0
+            for p in parts:
+                out[first : first + p.shape[0]].copy_(p, non_blocking=True)
+                first += p.shape[0]
+            return out
         staged = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
         torch.cat(parts, out=staged)
         return staged.to(self.device, non_blocking=True)

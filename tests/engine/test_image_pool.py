@@ -136,3 +136,35 @@ def test_bfloat16_pixels_travel_as_they_are(llava_path):
     for key, value in expected.images[0].data.items():
         assert torch.equal(got.images[0].data[key], value)
     assert got.images[0].content_hash == expected.images[0].content_hash
+
+
+@pytest.mark.gpu
+def test_answers_arrive_pinned_and_go_to_the_device_as_one_tensor(llava_path):
+    """On CUDA the pool's reader threads pin the pixels as they arrive; the runner then
+    copies each image into its rows of the tower's input, the same tensor the host-side
+    gathering made."""
+    import types
+
+    import torch
+
+    from batchlm.engine.multimodal.image_pool import ImageJob, ImagePool
+    from batchlm.engine.worker.encoder_cache import ImageEmbedder
+
+    config = __import__("json").loads((llava_path / "config.json").read_text())
+    jobs = [ImageJob(i, "USER: <image> hi", None, [image(i)], {}) for i in range(3)]
+    pool = ImagePool(str(llava_path), config["image_token_index"], {}, 2, pin_memory=True)
+    try:
+        batch = pool.submit(jobs)
+        got = []
+        while not batch.done:
+            got += batch.take(block=True)
+    finally:
+        pool.close()
+    parts = [processed.images[0].data["pixel_values"] for _, processed in sorted(got)]
+    assert all(p.is_pinned() for p in parts)
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    on_device = ImageEmbedder._to_device(cuda, parts)
+    unpinned = [p.clone() for p in parts]
+    assert not any(p.is_pinned() for p in unpinned)
+    assert torch.equal(on_device, ImageEmbedder._to_device(cuda, unpinned))
+    assert torch.equal(on_device.cpu(), torch.cat(parts))
