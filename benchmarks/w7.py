@@ -278,16 +278,16 @@ def profile_run(fn, path: str) -> dict:
     return timeline
 
 
-CHANGES = ("pad", "silu", "mrope", "addnorm", "pin")
+CHANGES = ("pad", "silu", "mrope", "pin")
 """What `--without` can take back, for an A/B in another process on the same machine: the
 tower MLP's padded width, its fused SiLU-and-mul, M-RoPE's per-step angle table through
-the rotary kernels (image steps), the tower's residual adds fused into its RMSNorms, and
-the image workers' answers pinned as they arrive (off the engine's thread)."""
+the rotary kernels (image steps), and the image workers' answers pinned as they arrive
+(off the engine's thread)."""
 
 
 def take_back(changes: set[str]) -> None:
     """Put back the code paths the named changes replaced (before the engine is built)."""
-    from batchlm.engine.models import qwen2_5_vl, qwen2_vl
+    from batchlm.engine.models import qwen2_5_vl
     from batchlm.engine.models.layers import attention, rotary
     from batchlm.engine.multimodal import image_pool
 
@@ -308,14 +308,6 @@ def take_back(changes: set[str]) -> None:
             pool_init(self, *args, **dict(kwargs, pin_memory=False))
 
         image_pool.ImagePool.__init__ = unpinned
-    if "addnorm" in changes:
-
-        def separate_adds(self, x, residual, cos_sin, plan):
-            x = x if residual is None else x + residual
-            x = x + self.attn(self.norm1(x), cos_sin, plan)
-            return self.mlp(self.norm2(x)), x
-
-        qwen2_vl.VisionBlock.add_forward = separate_adds
     if "mrope" in changes:
         rotate_into_cache = attention.Attention.rotate_into_cache
 
@@ -339,15 +331,13 @@ def take_back(changes: set[str]) -> None:
 def tower_ab(folder: Path, num_images: int = 38, reps: int = 3) -> dict:
     """The vision tower alone on one step's images (`num_images` 640×480 images, about a
     16,384-token step's worth), ms per call: as it was (separate SiLU and multiply, width
-    3,420, separate residual adds), then with each change added in turn (the fused
-    SiLU-and-mul, the padded width, the adds fused into the norms); one process, the same
-    weights. Run it last: it leaves the tower's classes as they are now."""
+    3,420), then with each change added in turn (the fused SiLU-and-mul, the padded
+    width); one process, the same weights."""
     import torch
     import transformers
 
     from batchlm.engine.models.layers.activation import SiluAndMul
     from batchlm.engine.models.qwen2_5_vl import Qwen2_5_VisionTower
-    from batchlm.engine.models.qwen2_vl import VisionBlock
 
     vision = transformers.AutoConfig.from_pretrained(str(folder)).vision_config
     device = torch.device("cuda")
@@ -368,8 +358,6 @@ def tower_ab(folder: Path, num_images: int = 38, reps: int = 3) -> dict:
         return round((time.perf_counter() - t) / reps * 1e3, 2)
 
     mlps = [block.mlp for block in tower.blocks]
-    fused_adds = VisionBlock.add_forward
-    take_back({"addnorm"})
     for mlp in mlps:
         mlp.act_and_mul = None
     before = ms()
@@ -378,11 +366,9 @@ def tower_ab(folder: Path, num_images: int = 38, reps: int = 3) -> dict:
     fused_silu = ms()
     for mlp in mlps:
         mlp.after_loading()
-    padded = ms()
-    VisionBlock.add_forward = fused_adds
     return {
         "images": num_images, "patches": patches, "before_ms": before,
-        "fused_silu_ms": fused_silu, "and_padded_ms": padded, "and_fused_adds_ms": ms(),
+        "fused_silu_ms": fused_silu, "and_padded_ms": ms(),
         "mlp_width": mlps[0].down_proj.in_features,
     }  # fmt: skip
 

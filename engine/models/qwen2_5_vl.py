@@ -153,11 +153,9 @@ class Qwen2_5_VisionTower(nn.Module):
         cos_sin = self.rotary(positions)
         frames = attention_plan(frame_seqlens(grid_thw), x.device)
         windows = attention_plan(cu_windows, x.device)
-        residual = None  # RMSNorm adds each block's output to the stream as it normalises
         for i, block in enumerate(self.blocks):
-            plan = frames if i in self.full_attention_layers else windows
-            x, residual = block.add_forward(x, residual, cos_sin, plan)
-        merged = self.merger(x + residual)  # [num_blocks, out_hidden_size], window order
+            x = block(x, cos_sin, frames if i in self.full_attention_layers else windows)
+        merged = self.merger(x)  # [num_blocks, out_hidden_size], window order
         return merged[torch.argsort(order_t)]
 
 

@@ -158,20 +158,6 @@ class VisionBlock(nn.Module):
         x = x + self.attn(self.norm1(x), cos_sin, plan)
         return x + self.mlp(self.norm2(x))
 
-    def add_forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos_sin: torch.Tensor,
-        plan: VarlenPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on the stream `x + residual` (`x` alone when `residual` is None) with
-        norms that add the residual in as they normalise (`RMSNorm(x, residual)`): → (the
-        MLP's output, the stream before it), whose sum is `forward`'s result."""
-        h, residual = (self.norm1(x), x) if residual is None else self.norm1(x, residual)
-        h, residual = self.norm2(self.attn(h, cos_sin, plan), residual)
-        return self.mlp(h), residual
-
 
 class PatchMerger(nn.Module):
     """`merge²` neighbouring patches (consecutive rows) → one row of the language model's

@@ -116,36 +116,3 @@ def test_tower_mlp_width_padded_at_load_gives_the_same_outputs():
         load_format="dummy", dim=32, hidden=44, act="silu",
     )  # fmt: skip
     assert built.down_proj.in_features == 48
-
-
-def test_tower_block_with_the_adds_in_its_norms_equals_its_forward():
-    """Qwen2.5-VL's tower runs its blocks on (output, residual) pairs, RMSNorm adding the
-    residual in: the same stream as the blocks' plain forward."""
-    from batchlm.engine.models.layers.norm import RMSNorm
-    from batchlm.engine.models.qwen2_5_vl import GatedVisionMLP
-    from batchlm.engine.models.qwen2_vl import (
-        VisionAttention,
-        VisionBlock,
-        VisionRotary,
-        attention_plan,
-        patch_positions,
-    )
-
-    torch.manual_seed(0)
-    blocks = [
-        VisionBlock(RMSNorm(32, 1e-6), RMSNorm(32, 1e-6), VisionAttention(32, 2),
-                    GatedVisionMLP(32, 48, "silu"))
-        for _ in range(3)
-    ]  # fmt: skip
-    for block in blocks:
-        for p in block.norm1.parameters():
-            torch.nn.init.normal_(p, 1.0, 0.2)
-    x = torch.randn(24, 32)
-    cos_sin = VisionRotary(16)(patch_positions([[1, 4, 6]], 2))
-    plan = attention_plan([0, 24], x.device)
-    plain = x
-    out, residual = x, None
-    for block in blocks:
-        plain = block(plain, cos_sin, plan)
-        out, residual = block.add_forward(out, residual, cos_sin, plan)
-    torch.testing.assert_close(out + residual, plain)
