@@ -256,6 +256,44 @@ def device_timeline(prof) -> dict:
     }
 
 
+def host_timeline(llm, fn) -> dict:
+    """`fn()` with the engine's steps and the garbage collector's passes timed on the host:
+    the slowest steps (start from the first, ms) with how many requests each finished, and
+    every collection over 5 ms, so a gap in `device_timeline` can be matched to its cause."""
+    import gc
+
+    engine = llm.llm_engine
+    step, steps, collections, t0 = engine.step, [], [], time.perf_counter()
+    started = {}
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        steps.append((t - t0, time.perf_counter() - t, len(out)))
+        return out
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started and (d := time.perf_counter() - started.pop("t")) > 5e-3:
+            collections.append((round((time.perf_counter() - t0) * 1e3, 1), round(d * 1e3, 1),
+                                info["generation"]))  # fmt: skip
+
+    engine.step = timed_step
+    gc.callbacks.append(on_gc)
+    try:
+        fn()
+    finally:
+        del engine.step
+        gc.callbacks.remove(on_gc)
+    slowest = sorted(steps, key=lambda s: -s[1])[:15]
+    return {
+        "steps": len(steps),
+        "slowest_steps_ms": [(round(a * 1e3, 1), round(d * 1e3, 1), n) for a, d, n in slowest],
+        "gc_over_5ms": collections,
+    }
+
+
 def profile_run(fn, path: str) -> dict:
     """`fn()` under torch.profiler: the kernels by device time and the host ops by their
     own time, as tables in `path`, and the device's timeline (`device_timeline`)."""
@@ -440,6 +478,7 @@ def main() -> None:
     prep_s = (time.perf_counter() - t) * num_requests / len(batch)
 
     timeline = profile_run(lambda: run(502), args.profile) if args.profile else None
+    host = host_timeline(llm, lambda: run(503)) if args.profile else None
     tower = tower_ab(folder) if args.tower_ab and not args.smoke else None
     rec = Recorder(args.out)
     tok_s = [round(n / dt, 1) for dt, n, _ in runs]
@@ -461,6 +500,7 @@ def main() -> None:
         output_len=output_len, model="tiny (smoke)" if args.smoke else
         "Qwen2.5-VL-7B shape, random weights (dummy)", dtype=options["dtype"], init_seconds=round(init_s, 1),
         without=sorted(without), device_timeline_profiled=timeline, tower_ab=tower,
+        host_timeline=host,
         **library_versions(),
     )  # fmt: skip
 
