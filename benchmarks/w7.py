@@ -316,18 +316,22 @@ def profile_run(fn, path: str) -> dict:
     return timeline
 
 
-CHANGES = ("pad", "silu", "mrope", "pin")
+CHANGES = ("pad", "silu", "mrope", "pin", "copies")
 """What `--without` can take back, for an A/B in another process on the same machine: the
 tower MLP's padded width, its fused SiLU-and-mul, M-RoPE's per-step angle table through
-the rotary kernels (image steps), and the image workers' answers pinned as they arrive
-(off the engine's thread)."""
+the rotary kernels (image steps), the image workers' answers pinned as they arrive (off
+the engine's thread), and the image steps' index copies queued from pinned memory instead of
+waiting for the device (`host_copy.to_device`)."""
 
 
 def take_back(changes: set[str]) -> None:
     """Put back the code paths the named changes replaced (before the engine is built)."""
-    from batchlm.engine.models import qwen2_5_vl
+    import torch
+
+    from batchlm.engine.models import qwen2_5_vl, qwen2_vl
     from batchlm.engine.models.layers import attention, rotary
     from batchlm.engine.multimodal import image_pool
+    from batchlm.engine.worker import encoder_cache
 
     if "pad" in changes:
         qwen2_5_vl.GatedVisionMLP.after_loading = lambda self: None
@@ -339,6 +343,14 @@ def take_back(changes: set[str]) -> None:
             self.act_and_mul = None
 
         qwen2_5_vl.GatedVisionMLP.__init__ = unfused
+    if "copies" in changes:
+
+        def blocking(data, device):
+            tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+            return tensor.to(device)
+
+        for module in (qwen2_5_vl, qwen2_vl, encoder_cache):
+            module.to_device = blocking
     if "pin" in changes:
         pool_init = image_pool.ImagePool.__init__
 

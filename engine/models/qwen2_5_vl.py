@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..host_copy import to_device
 from .clip import activation_of
 from .layers.activation import SiluAndMul
 from .layers.linear import MergedLinear
@@ -146,9 +147,9 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(pixels)  # [num_patches, dim]
         n, unit = x.shape[0], self.merge**2
         order, cu_windows = window_layout(grid_thw, self.merge, self.window)
-        order_t = torch.from_numpy(order).to(x.device)
+        order_t = to_device(order, x.device)
         x = x.view(n // unit, unit, -1)[order_t].view(n, -1)  # window after window
-        positions = patch_positions(grid_thw, self.merge).to(x.device)
+        positions = to_device(patch_positions(grid_thw, self.merge), x.device)
         positions = positions.view(n // unit, unit, 2)[order_t].view(n, 2)
         cos_sin = self.rotary(positions)
         frames = attention_plan(frame_seqlens(grid_thw), x.device)

@@ -21,12 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend
 from ..attention.varlen import VarlenPlan, varlen_attention
 from ..errors import UnsupportedModelError
+from ..host_copy import to_device
 from .base import VisionLanguageModel
 from .clip import activation_of
 from .layers.rotary import (
@@ -64,7 +66,7 @@ def attention_plan(cu_seqlens: list[int], device: torch.device) -> VarlenPlan:
     SDPA over length groups (`attention/varlen.py`)."""
     cu_device = None
     if device.type == "cuda":
-        cu_device = torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True)
+        cu_device = to_device(np.asarray(cu_seqlens, dtype=np.int32), device)
     return VarlenPlan.build(cu_seqlens, device, cu_device)
 
 
@@ -203,7 +205,7 @@ class Qwen2VisionTower(nn.Module):
         """`[num_patches, patch_dim]` of images with patch grids `grid_thw` → `[num_patches
         / merge², hidden_size]`, image after image."""
         x = self.patch_embed(pixels)
-        cos_sin = self.rotary(patch_positions(grid_thw, self.merge).to(x.device))
+        cos_sin = self.rotary(to_device(patch_positions(grid_thw, self.merge), x.device))
         plan = attention_plan(frame_seqlens(grid_thw), x.device)
         for block in self.blocks:
             x = block(x, cos_sin, plan)

@@ -39,13 +39,13 @@ import torch
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import EngineConfig
+from ..host_copy import to_device
 from ..lora.batch import LoRABatch
 from ..lora.manager import LoRAManager
 from .step_buffers import (
     StepBuffers,
     StepInputs,
     max_query_len,
-    to_device,
     uniform_token_rows,
 )
 

@@ -21,6 +21,7 @@ import torch
 from ..attention.backend import AttentionMetadata, BidirectionalSpans
 from ..config import MultiModalConfig
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..host_copy import to_device
 from ..models.base import VisionLanguageModel
 from ..multimodal.inputs import ImageInput
 from ..multimodal.mrope import step_mrope_positions
@@ -95,7 +96,7 @@ def bidirectional_spans(
         key_end[row : row + hi - lo] = end
     return BidirectionalSpans(
         spans_host=list(step.spans),
-        key_end=torch.from_numpy(key_end.astype(np.int32)).to(device, non_blocking=True),
+        key_end=to_device(key_end.astype(np.int32), device),
         key_end_host=key_end.tolist(),
     )
 
@@ -271,7 +272,7 @@ class ImageEmbedder:
                 for i, first, n in step.segments
             ]
         )
-        dst = torch.from_numpy(step.dst_rows).to(self.device, non_blocking=True)
+        dst = to_device(step.dst_rows, self.device)
         embeds[dst] = rows.to(embeds.dtype)
         for rid, content_hash, done in step.uses:
             if done:

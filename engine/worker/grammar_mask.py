@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .step_buffers import to_device
+from ..host_copy import to_device
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .. import envs
 from ..attention.selector import get_attention_backend
 from ..config import EngineConfig
 from ..core.scheduler import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from ..host_copy import to_device
 from ..loader.weights import build_model
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
@@ -65,7 +66,6 @@ from .step_buffers import (
     device_scope,
     fill_tokens,
     fresh_metadata,
-    to_device,
 )
 from .step_output import copy_step_to_host
 

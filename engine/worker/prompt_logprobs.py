@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from ..core.scheduler import ScheduledRequest
+from ..host_copy import to_device
 from .runner_output import PromptLogprobsChunk
-from .step_buffers import to_device
 
 # Most logits elements (rows × vocab) materialised at once when scoring prompt tokens.
 PROMPT_LOGITS_ELEMENTS = 1 << 24

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..attention.backend import AttentionMetadata
+from ..host_copy import to_device
 
 if TYPE_CHECKING:
     from ..lora.manager import LoRAStepInputs
@@ -267,15 +268,6 @@ def start_copy_to_host(
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(tensors[0].device))
     return host, event
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`: through page-locked memory and a non-blocking copy on
-    CUDA (no wait for the device), as is on CPU."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 def fresh_metadata(
