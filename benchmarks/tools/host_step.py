@@ -36,6 +36,8 @@ class _LayoutOnly:
     """The runner fields `ModelRunner.prepare_inputs` reads, without a model."""
 
     spec = None
+    images = None  # a text model
+    lora = None
     num_tokens_from_device = 0
     _fill_sources = ModelRunner._fill_sources
 
