@@ -24,12 +24,14 @@ processors: transformers needs torchvision for the latter).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 from common import Recorder
+from timeline import RunLog, device_events, merged_spans
 
 TEXT = dict(
     hidden_size=3584,
@@ -223,74 +225,56 @@ def vllm_record(path: str | None) -> dict | None:
 
 
 def device_timeline(prof) -> dict:
-    """How busy the device was over a profiled call: the union of its kernels' and copies'
-    spans against the whole span, and the longest idle gaps (start, from the first kernel,
-    and length, in ms)."""
-    from torch.autograd import DeviceType
+    """How busy the device was over a profiled call (`timeline.merged_spans` of its kernels
+    and copies) against the whole span, and the longest idle gaps (start, from the first
+    kernel, and length, in ms); empty without CUDA."""
+    import torch
 
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
+    spans = merged_spans(device_events(prof)) if torch.cuda.is_available() else []
     if not spans:
         return {}
-    first, busy, gaps = spans[0][0], 0.0, []
-    start, end = spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy += end - start
-            gaps.append((end - first, s - end))
-            start, end = s, e
-        else:
-            end = max(end, e)
-    busy += end - start
-    whole = end - first
+    first, last = spans[0][0], spans[-1][1]
+    busy = sum(end - start for start, end, _, _ in spans)
+    gaps = [(prev[1] - first, nxt[0] - prev[1]) for prev, nxt in itertools.pairwise(spans)]
     longest = sorted(gaps, key=lambda g: -g[1])[:20]
     return {
-        "span_ms": round(whole / 1e3, 1),
+        "span_ms": round((last - first) / 1e3, 1),
         "busy_ms": round(busy / 1e3, 1),
-        "busy_share": round(busy / whole, 3),
+        "busy_share": round(busy / (last - first), 3),
         "idle_in_gaps_over_1ms": round(sum(g for _, g in gaps if g > 1e3) / 1e3, 1),
         "longest_gaps_ms": [(round(a / 1e3, 1), round(g / 1e3, 2)) for a, g in longest],
     }
 
 
 def host_timeline(llm, fn) -> dict:
-    """`fn()` with the engine's steps and the garbage collector's passes timed on the host:
-    the slowest steps (start from the first, ms) with how many requests each finished, and
-    every collection over 5 ms, so a gap in `device_timeline` can be matched to its cause."""
-    import gc
-
+    """`fn()` with the engine's steps timed on the host and what `timeline.RunLog` sees by
+    step (Triton compiles, garbage-collector passes): the slowest steps (number, start from
+    the first, ms; and how many requests each finished), the collections over 5 ms and the
+    compiles, so a gap in `device_timeline` can be matched to its cause."""
     engine = llm.llm_engine
-    step, steps, collections, t0 = engine.step, [], [], time.perf_counter()
-    started = {}
+    step, steps, t0 = engine.step, [], time.perf_counter()
+    with RunLog() as log:
 
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        steps.append((t - t0, time.perf_counter() - t, len(out)))
-        return out
+        def timed_step():
+            log.step += 1
+            t = time.perf_counter()
+            out = step()
+            steps.append((log.step, t - t0, time.perf_counter() - t, len(out)))
+            return out
 
-    def on_gc(phase, info):
-        if phase == "start":
-            started["t"] = time.perf_counter()
-        elif "t" in started and (d := time.perf_counter() - started.pop("t")) > 5e-3:
-            collections.append((round((time.perf_counter() - t0) * 1e3, 1), round(d * 1e3, 1),
-                                info["generation"]))  # fmt: skip
-
-    engine.step = timed_step
-    gc.callbacks.append(on_gc)
-    try:
-        fn()
-    finally:
-        del engine.step
-        gc.callbacks.remove(on_gc)
-    slowest = sorted(steps, key=lambda s: -s[1])[:15]
+        engine.step = timed_step
+        try:
+            fn()
+        finally:
+            del engine.step
+    slowest = sorted(steps, key=lambda s: -s[2])[:15]
     return {
         "steps": len(steps),
-        "slowest_steps_ms": [(round(a * 1e3, 1), round(d * 1e3, 1), n) for a, d, n in slowest],
-        "gc_over_5ms": collections,
+        "slowest_steps_ms": [
+            (n, round(a * 1e3, 1), round(d * 1e3, 1), f) for n, a, d, f in slowest
+        ],
+        "gc_over_5ms": [(n, gen, round(ms, 1)) for n, gen, ms in log.collections if ms > 5],
+        "triton_compiles": [(n, what[:160]) for n, what in log.compiles],
     }
 
 

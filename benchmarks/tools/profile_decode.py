@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import itertools
 import json
 import pstats
 import shutil
@@ -47,13 +46,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, SMOKE, prompts_of  # noqa: E402
 from moe_w6 import QWEN3_30B_A3B  # noqa: E402
 from moe_w6 import SMOKE as MOE_SMOKE  # noqa: E402
+from timeline import RunLog, busy_us, device_events, idle_gaps  # noqa: E402
 
 from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
@@ -140,32 +139,6 @@ def timed_steps(engine, num_steps: int) -> float:
         engine.step()
     synchronize()
     return (time.perf_counter() - start) / num_steps
-
-
-def device_events(prof) -> list:
-    """The profiled device activities (kernels, copies, sets); on CPU, the CPU ops."""
-    events = list(prof.events())
-    cuda = [e for e in events if e.device_type == DeviceType.CUDA]
-    return cuda or [e for e in events if e.device_type == DeviceType.CPU]
-
-
-def merged_spans(events) -> list[tuple[float, float, str, str]]:
-    """The events' time ranges (µs) merged where they overlap or nest, in order: (start,
-    end, the name of the event that starts the span, of the one that ends it)."""
-    merged: list[list] = []
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        start, end = e.time_range.start, e.time_range.end
-        if merged and start <= merged[-1][1]:
-            if end >= merged[-1][1]:
-                merged[-1][1], merged[-1][3] = end, e.name
-        else:
-            merged.append([start, end, e.name, e.name])
-    return [tuple(span) for span in merged]
-
-
-def busy_us(events) -> float:
-    """Microseconds covered by at least one event (overlaps and nesting counted once)."""
-    return sum(end - start for start, end, _, _ in merged_spans(events))
 
 
 def kernel_table(
@@ -313,69 +286,6 @@ def profile_prefill(llm: LLM, name: str, prompts) -> list[str]:
         *table,
         "",
     ]
-
-
-def idle_gaps(events) -> list[tuple[float, str, str]]:
-    """The device's idle intervals between the first and the last activity: (µs, the
-    activity that ended last before it, the one that ends it)."""
-    spans = merged_spans(events)
-    return [(nxt[0] - prev[1], prev[3], nxt[2]) for prev, nxt in itertools.pairwise(spans)]
-
-
-class RunLog:
-    """What happened on the host during a profiled run, by step: Triton kernel variants
-    compiled (a cache miss: compiled, or loaded from Triton's disk cache) and the garbage
-    collector's passes, with their durations."""
-
-    def __init__(self) -> None:
-        self.step = -1
-        self.compiles: list[tuple[int, str]] = []
-        self.collections: list[tuple[int, int, float]] = []
-        self._gc_start = 0.0
-
-    def _on_compile(self, *, repr, **_) -> bool:
-        self.compiles.append((self.step, repr))
-        return False  # compile as usual
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            ms = (time.perf_counter() - self._gc_start) * 1e3
-            self.collections.append((self.step, info["generation"], ms))
-
-    def __enter__(self) -> RunLog:
-        import gc
-
-        import triton
-
-        self._previous_hook = triton.knobs.runtime.jit_cache_hook
-        triton.knobs.runtime.jit_cache_hook = self._on_compile
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import gc
-
-        import triton
-
-        triton.knobs.runtime.jit_cache_hook = self._previous_hook
-        gc.callbacks.remove(self._on_gc)
-
-    def lines(self) -> list[str]:
-        lines = [f"Triton kernel variants compiled inside the run: {len(self.compiles)}"]
-        lines += [f"  step {step}: {what[:160]}" for step, what in self.compiles[:20]]
-        by_gen: dict[int, list[float]] = defaultdict(list)
-        for _, gen, ms in self.collections:
-            by_gen[gen].append(ms)
-        for gen, values in sorted(by_gen.items()):
-            lines.append(
-                f"garbage collections of generation {gen}: {len(values)}, {sum(values):.1f} ms "
-                f"in all, longest {max(values):.2f} ms"
-            )
-        slow = [(step, gen, ms) for step, gen, ms in self.collections if ms >= 0.5]
-        lines += [f"  step {step}: generation {gen}, {ms:.2f} ms" for step, gen, ms in slow[:20]]
-        return lines
 
 
 def profile_run(llm: LLM, name: str, prompts, max_tokens: int) -> list[str]:
