@@ -12,10 +12,10 @@ Workers are fresh interpreters started with `subprocess`, as the tokenizer worke
 (`tokenize_pool.py`): nothing of the parent's CUDA context is inherited and the user's
 `__main__` is not imported again. Messages are pickles over each worker's stdin / stdout:
 `{"path", "image_token_id", "default_kwargs", "pixel_dtype"}` once, answered by
-`("ready", pid)` (or `("failed", message)`); then per prompt its `ImageJob`, answered by `("ok", token_ids, images)` with each image's tensors as
-numpy arrays (bfloat16 ones as their int16 bits), or `("error", kind, message)` for a
-prompt its processor refuses. A worker exits when its
-stdin closes, so none outlives the parent.
+`("ready", pid)` (or `("failed", message)`); then per prompt its `ImageJob`, answered by
+`("ok", token_ids, images)` with each image's tensors as numpy arrays (bfloat16 ones as
+their int16 bits), or `("error", kind, message)` for a prompt its processor refuses. A
+worker exits when its stdin closes, so none outlives the parent.
 """
 
 from __future__ import annotations
@@ -295,10 +295,7 @@ def _tensor(v: Any, pin_memory: bool = False) -> torch.Tensor:
         t = torch.from_numpy(v[1]).view(torch.bfloat16)
     else:
         t = torch.from_numpy(v)
-    if not (pin_memory and t.is_floating_point()):
-        return t
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return pinned.copy_(t)
+    return t.pin_memory() if pin_memory and t.is_floating_point() else t
 
 
 def serve() -> None:
