@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from common import Recorder
-from timeline import RunLog, device_events, merged_spans
+from timeline import RunLog, StackSampler, StepLog, device_events, merged_spans
 
 TEXT = dict(
     hidden_size=3584,
@@ -249,29 +249,29 @@ def device_timeline(prof) -> dict:
 def host_timeline(llm, fn) -> dict:
     """`fn()` with the engine's steps timed on the host and what `timeline.RunLog` sees by
     step (Triton compiles, garbage-collector passes): the slowest steps (number, start from
-    the first, ms; and how many requests each finished), the collections over 5 ms and the
-    compiles, so a gap in `device_timeline` can be matched to its cause."""
-    engine = llm.llm_engine
-    step, steps, t0 = engine.step, [], time.perf_counter()
-    with RunLog() as log:
+    the first, ms, how many requests each finished, the tokens and requests it scheduled,
+    and where the host's Python code was meanwhile, from `timeline.StackSampler`), the
+    longest waits between steps (the same, for the caller's loop), the collections over 5 ms
+    and the compiles, so a gap in `device_timeline` can be matched to its cause."""
+    t0 = time.perf_counter()
+    with RunLog() as log, StackSampler() as sampler, StepLog(llm.llm_engine, log) as steps:
+        fn()
 
-        def timed_step():
-            log.step += 1
-            t = time.perf_counter()
-            out = step()
-            steps.append((log.step, t - t0, time.perf_counter() - t, len(out)))
-            return out
+    def row(n, start, end, finished, tokens, seqs):
+        return {
+            "step": n, "start_ms": round((start - t0) * 1e3, 1),
+            "ms": round((end - start) * 1e3, 1), "finished": finished,
+            "tokens": tokens, "requests": seqs, "where": sampler.during(start, end),
+        }  # fmt: skip
 
-        engine.step = timed_step
-        try:
-            fn()
-        finally:
-            del engine.step
-    slowest = sorted(steps, key=lambda s: -s[2])[:15]
+    slowest = sorted(steps.steps, key=lambda s: s[1] - s[2])
+    decode_only = [s for s in slowest if s[4] == s[5]]
     return {
-        "steps": len(steps),
-        "slowest_steps_ms": [
-            (n, round(a * 1e3, 1), round(d * 1e3, 1), f) for n, a, d, f in slowest
+        "summary": steps.summary(),
+        "slowest_steps": [row(*s) for s in slowest[:10]],
+        "slowest_decode_only_steps": [row(*s) for s in decode_only[:10]],
+        "longest_between_steps": [
+            row(*s) for s in sorted(steps.between(), key=lambda s: s[1] - s[2])[:5]
         ],
         "gc_over_5ms": [(n, gen, round(ms, 1)) for n, gen, ms in log.collections if ms > 5],
         "triton_compiles": [(n, what[:160]) for n, what in log.compiles],

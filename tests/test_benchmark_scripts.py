@@ -36,7 +36,7 @@ def test_w7_smoke_writes_its_record(tmp_path):
     record = tmp_path / "w7.jsonl"
     _run(
         ["w7.py", "--smoke", "--runs", "1", "--model-dir", str(tmp_path / "model"),
-         "--out", str(record), "--without", "pin,copies"],
+         "--out", str(record), "--without", "pin,copies", "--profile", str(tmp_path / "p.txt")],
         BENCHMARKS, 600,
     )  # fmt: skip
     (row,) = [json.loads(line) for line in record.read_text().splitlines()]
@@ -44,3 +44,10 @@ def test_w7_smoke_writes_its_record(tmp_path):
     assert row["without"] == ["copies", "pin"]
     assert len(row["runs"]) == 1 and row["value"] > 0
     assert 0 < row["vision_tower_share"] < 1
+    host = row["host_timeline"]  # the profiled run's steps, each with where the host was
+    assert (
+        host["summary"]["steps"]["n"]
+        == host["summary"]["decode_only"]["n"] + host["summary"]["with_prefill"]["n"]
+    )
+    assert host["slowest_steps"][0]["tokens"] > host["slowest_steps"][0]["requests"] > 0
+    assert all(step["tokens"] == step["requests"] for step in host["slowest_decode_only_steps"])
