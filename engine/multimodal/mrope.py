@@ -36,7 +36,7 @@ class MRopePositions:
 def image_grid(image: ImageInput, spatial_merge_size: int) -> tuple[int, int, int]:
     """The image's placeholder grid `(t, h, w)`: its patch grid (`image_grid_thw`) with
     height and width merged `spatial_merge_size`-fold by the tower."""
-    t, h, w = (int(v) for v in image.data["image_grid_thw"].reshape(3))
+    t, h, w = (int(v) for v in image.data["image_grid_thw"].reshape(3).tolist())
     return t, h // spatial_merge_size, w // spatial_merge_size
 
 
