@@ -456,6 +456,7 @@ def w2(args, rec: Recorder, folder: Path) -> None:
             dict(
                 tok_s=round(total / secs, 1), seconds=round(secs, 3), python_speed_ms=control_ms,
                 gc_ms=round(sum(ms for _, _, ms in log.collections), 1),
+                slow_gc_passes=log.slow_passes,
                 triton_compiles=len(log.compiles), **steps.summary(),
             )
         )  # fmt: skip
@@ -590,8 +591,12 @@ def w1_json(args, rec: Recorder, folder: Path) -> None:
         short = params.clone()
         short.max_tokens = 4
         run_batchlm(llm, prompts[:64], short)
-    free_s, _ = run_batchlm(llm, prompts, free)
-    json_s, outs = run_batchlm(llm, prompts, constrained)
+    with StepLog(llm.llm_engine) as free_steps:
+        free_s, _ = run_batchlm(llm, prompts, free)
+    with StepLog(llm.llm_engine) as json_steps:
+        json_s, outs = run_batchlm(llm, prompts, constrained)
+    if args.profile:
+        profile_pair(llm, prompts, free, constrained, path=args.profile)
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert num_tokens == 256 * 256, f"constrained outputs wrote {num_tokens} tokens"
     free_tps, json_tps = 256 * 256 / free_s, num_tokens / json_s
@@ -621,10 +626,30 @@ def w1_json(args, rec: Recorder, folder: Path) -> None:
         disable_any_whitespace=True,
         first_request_seconds=round(compile_timer.seconds, 3),
         triton_compiles_in_run=compiles_in_last_run(),
+        steps_unconstrained=free_steps.summary(),
+        steps_constrained=json_steps.summary(),
         **common,
     )
     del llm
     release()
+
+
+def profile_pair(llm: LLM, prompts, *params: SamplingParams, path: str, tokens: int = 16) -> None:
+    """Each of `params` over the prompts for `tokens` tokens under torch.profiler: the
+    device's kernels and copies by total time, one table each, into `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with open(path, "w") as f:
+        for p in params:
+            short = p.clone()
+            short.max_tokens = tokens
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_batchlm(llm, prompts, short)
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
+            )
+            kind = "constrained" if p.structured_outputs else "unconstrained"
+            f.write(f"# {kind}, {len(prompts)} requests x {tokens} tokens\n{table}\n")
 
 
 def zero_attention_outputs(llm: LLM) -> None:
@@ -763,6 +788,9 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=None, help="engine default if unset"
     )
     ap.add_argument("--runs", type=int, default=1, help="W2: timed runs in one process")
+    ap.add_argument(
+        "--profile", default=None, help="W1-json: kernel tables of short runs, both ways, here"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--model-dir",

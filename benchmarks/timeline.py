@@ -58,18 +58,37 @@ class RunLog:
         self.step = -1
         self.compiles: list[tuple[int, str]] = []
         self.collections: list[tuple[int, int, float]] = []
+        self.slow_passes: list[dict] = []
+        """Collections of 10 ms or more: step, generation, ms, objects freed; for full
+        passes also the objects they went over, their commonest types and the frozen."""
         self._gc_start = 0.0
+        self._gen2: tuple = (0, [], 0)
 
     def _on_compile(self, *, repr, **_) -> bool:
         self.compiles.append((self.step, repr))
         return False  # compile as usual
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        import gc
+
         if phase == "start":
+            # What a full pass goes over (counted before its clock starts): the objects
+            # in the oldest generation and their commonest types.
+            if info["generation"] == 2:
+                objects = gc.get_objects(generation=2)
+                types = Counter(type(o).__name__ for o in objects).most_common(5)
+                self._gen2 = (len(objects), types, gc.get_freeze_count())
+                del objects
             self._gc_start = time.perf_counter()
         else:
             ms = (time.perf_counter() - self._gc_start) * 1e3
             self.collections.append((self.step, info["generation"], ms))
+            if ms >= 10:
+                detail = {"step": self.step, "generation": info["generation"],
+                          "ms": round(ms, 1), "collected": info["collected"]}  # fmt: skip
+                if info["generation"] == 2:
+                    detail["objects"], detail["commonest"], detail["frozen"] = self._gen2
+                self.slow_passes.append(detail)
 
     def __enter__(self) -> RunLog:
         import gc

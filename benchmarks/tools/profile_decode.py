@@ -22,6 +22,8 @@ W1-run: the whole of W1 (256 x 512-token prompts, 256 greedy tokens each) step b
     long, the largest with the activities either side, grouped by those), the Triton
     kernel variants compiled and the garbage collector's passes inside the run, and the
     host's time per step call by phase (steps with prompt tokens, then pure decode).
+W2 (with --model qwen05b): 256 prompts of 100-1,024 tokens as W2's, sampled at temperature
+    0.6, every request decoding: its steps at their largest batch.
 W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-steps decode
     steps with all 256 running after the last prefill chunk (chunked prefill interleaves the
     first requests' decodes with the later prompts, so those steps come late).
@@ -38,6 +40,7 @@ import cProfile
 import io
 import json
 import pstats
+import random
 import shutil
 import sys
 import tempfile
@@ -49,7 +52,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, SMOKE, prompts_of  # noqa: E402
+from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, QWEN_05B, SMOKE, prompts_of  # noqa: E402
 from moe_w6 import QWEN3_30B_A3B  # noqa: E402
 from moe_w6 import SMOKE as MOE_SMOKE  # noqa: E402
 from timeline import RunLog, busy_us, device_events, idle_gaps  # noqa: E402
@@ -58,6 +61,7 @@ from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
 
 TOP_KERNELS = 25
+MODEL_NAMES = {"llama8b": "Llama-3.1-8B", "qwen3moe": "Qwen3-30B-A3B", "qwen05b": "Qwen2.5-0.5B"}
 
 
 def write_random_llama(shape: dict, folder: Path, dtype: torch.dtype, device: str) -> Path:
@@ -206,11 +210,12 @@ def profile_workload(
     steps: int,
     warmup: int,
     host_profile: bool = False,
+    temperature: float = 0.0,
 ):
     """Prefill, then `warmup` decode steps, `steps` timed ones, `steps` profiled ones and
     (with `host_profile`) `steps` under cProfile; returns the report's lines."""
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{name}-{i}", prompt, params)
     prefill_steps = 0
@@ -357,7 +362,9 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on this machine's device")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--batch-invariant", action="store_true", help="LLM(batch_invariant=True)")
-    ap.add_argument("--workload", action="append", choices=["W3", "W1", "W1-prefill", "W1-run"])
+    ap.add_argument(
+        "--workload", action="append", choices=["W3", "W1", "W1-prefill", "W1-run", "W2"]
+    )
     ap.add_argument("--w3-steps", type=int, default=28, help="timed (and profiled) W3 steps")
     ap.add_argument("--w1-steps", type=int, default=8, help="timed (and profiled) W1 steps")
     ap.add_argument(
@@ -369,9 +376,10 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
     ap.add_argument(
         "--model",
-        choices=["llama8b", "qwen3moe"],
+        choices=["llama8b", "qwen3moe", "qwen05b"],
         default="llama8b",
-        help="qwen3moe: W6's Qwen3-30B-A3B shape, load_format='dummy' (no checkpoint written)",
+        help="qwen3moe: W6's Qwen3-30B-A3B shape; qwen05b: W2's Qwen2.5-0.5B shape (both "
+        "load_format='dummy': no checkpoint written)",
     )
     ap.add_argument(
         "--rank-share",
@@ -384,8 +392,11 @@ def main() -> int:
         print("profile_decode: needs a CUDA GPU (or --smoke for tiny shapes on CPU)")
         return 0
     moe = args.model == "qwen3moe"
+    dummy = args.model != "llama8b"
     if moe:
         shape = dict(QWEN3_30B_A3B, **(MOE_SMOKE if args.smoke else {}))
+    elif args.model == "qwen05b":
+        shape = dict(QWEN_05B, **(SMOKE if args.smoke else {}))
     else:
         shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
         if args.smoke:
@@ -393,7 +404,7 @@ def main() -> int:
     dtype = torch.bfloat16 if is_cuda else torch.float32
     lines = [
         f"device: {torch.cuda.get_device_name() if is_cuda else 'cpu'}; model: "
-        f"{'smoke' if args.smoke else ''}{'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'} shape"
+        f"{'smoke ' if args.smoke else ''}{MODEL_NAMES[args.model]} shape"
         f"{' (one rank share at tensor_parallel_size=2)' if args.rank_share else ''}, "
         f"random weights, {dtype}, "
         f"tensor_parallel_size={args.tensor_parallel_size}"
@@ -402,7 +413,7 @@ def main() -> int:
     print(lines[0], flush=True)
     folder = Path(args.model_dir or tempfile.mkdtemp(prefix="profile-decode-"))
     start = time.perf_counter()
-    if moe:  # random weights drawn by the engine (load_format="dummy")
+    if dummy:  # random weights drawn by the engine (load_format="dummy")
         folder.mkdir(parents=True, exist_ok=True)
         config = dict(shape, torch_dtype=str(dtype).removeprefix("torch."))
         (folder / "config.json").write_text(json.dumps(config))
@@ -416,7 +427,7 @@ def main() -> int:
         str(folder),
         dtype=str(dtype).removeprefix("torch."),
         skip_tokenizer_init=True,
-        load_format="dummy" if moe else "auto",
+        load_format="dummy" if dummy else "auto",
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant,
         gpu_memory_utilization=0.85,
@@ -437,6 +448,16 @@ def main() -> int:
             report = profile_workload(
                 llm, "W3", prompts_of([32], vocab, 0), max_tokens, steps, warmup,
                 args.host_profile,
+            )  # fmt: skip
+        elif workload == "W2":
+            # W2's batch at its start: 256 prompts of 100-1,024 tokens (seed 0), sampled at
+            # temperature 0.6, every request decoding.
+            steps, warmup = args.w1_steps, 2
+            rng = random.Random(0)
+            lens = [rng.randint(100, 1024) for _ in range(256)]
+            report = profile_workload(
+                llm, "W2", prompts_of(lens, vocab, 0), 64 + warmup + 3 * steps, steps, warmup,
+                args.host_profile, temperature=0.6,
             )  # fmt: skip
         elif workload == "W1-prefill":
             report = profile_prefill(llm, workload, prompts_of([512] * 256, vocab, 0))
