@@ -1,5 +1,6 @@
 """A generation run keeps the objects that existed before it out of the garbage collector's
-full passes (frozen), and gives them back when it ends, however it ends."""
+full passes (frozen), and gives them back when it ends, however it ends; under a freeze
+that is not its own, it holds full passes back instead."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import pytest
 
 from batchlm.engine import LLM, SamplingParams
+from batchlm.engine.gc_freeze import freeze_gc_heap
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
 
@@ -78,8 +80,12 @@ def test_a_callers_freeze_is_left_to_the_caller(llm, monkeypatch):
     seen: list[tuple[int, bool, bool]] = []
     step = llm.llm_engine.step
 
+    threshold = gc.get_threshold()
+    held: list[int] = []
+
     def observing_step():
         seen.append((gc.get_freeze_count(), is_frozen(frozen_by_caller), is_frozen(made_after)))
+        held.append(gc.get_threshold()[2])
         return step()
 
     monkeypatch.setattr(llm.llm_engine, "step", observing_step)
@@ -94,7 +100,26 @@ def test_a_callers_freeze_is_left_to_the_caller(llm, monkeypatch):
         # freed. So the count never rises above the caller's and only falls, step by step.
         counts = [before, *(count for count, _, _ in seen), after]
         assert counts == sorted(counts, reverse=True)
+        # Full passes (which would go over the engine's unfrozen objects) wait for the end
+        # of the run; the young generations keep their thresholds.
+        assert min(held) > 10**6 and gc.get_threshold() == threshold
     finally:
+        gc.unfreeze()
+
+
+def test_full_passes_held_back_until_the_last_holder_lets_go():
+    gc.freeze()
+    threshold = gc.get_threshold()
+    try:
+        outer = freeze_gc_heap()
+        inner = freeze_gc_heap()
+        assert gc.get_threshold()[:2] == threshold[:2] and gc.get_threshold()[2] > 10**6
+        outer()  # in any order
+        assert gc.get_threshold()[2] > 10**6
+        inner()
+        assert gc.get_threshold() == threshold
+    finally:
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
 
