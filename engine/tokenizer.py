@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,26 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(
         str(path), trust_remote_code=trust_remote_code, local_files_only=True
     )
+
+
+def rust_decoder(tokenizer: Any) -> Callable[..., str] | None:
+    """The tokenizers library's own `decode` behind a fast transformers tokenizer whose
+    `decode` only forwards to it (with `clean_up_tokenization_spaces=False`, as this module
+    decodes): its class overrides neither `decode` nor `_decode`. The same text in about a
+    third of the time per call, which counts at two calls per token of every request. None
+    for any other tokenizer."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        not isinstance(tokenizer, PreTrainedTokenizerFast)
+        or cls.decode is not PreTrainedTokenizerFast.decode
+        or cls._decode is not PreTrainedTokenizerFast._decode
+    ):
+        return None
+    return tokenizer._tokenizer.decode
 
 
 class IncrementalDetokenizer:
@@ -48,8 +69,11 @@ class IncrementalDetokenizer:
         self.is_stopped = False
         """A stop string ended the text; nothing is added after it."""
         self.max_stop_len = max((len(s) for s in params.stop_strs), default=0)
+        self._rust_decode = rust_decoder(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return self.tokenizer.decode(
             ids,
             skip_special_tokens=self.params.skip_special_tokens,

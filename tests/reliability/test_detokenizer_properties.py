@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchlm.engine import LLM, SamplingParams
-from batchlm.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from batchlm.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, rust_decoder
 
 PROPERTY_SETTINGS = settings(
     max_examples=150,
@@ -144,6 +144,29 @@ def test_streamed_text_equals_a_one_shot_decode(tokenizer):
         assert detok.text == final
 
     check()
+
+
+def test_the_streaming_decoder_is_the_tokenizers_own_where_decode_only_forwards(tokenizer):
+    """Both tokenizers above stream through the tokenizers library's decode (what the
+    property above checked against transformers' one-shot decode); a class that changes
+    `_decode` keeps transformers' path, and gets the same stream."""
+    from transformers import PreTrainedTokenizerFast
+
+    assert rust_decoder(tokenizer) is not None
+    assert IncrementalDetokenizer(tokenizer, [1], SamplingParams())._rust_decode is not None
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return PreTrainedTokenizerFast._decode(self, token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer)
+    assert rust_decoder(shouting) is None
+    ids = tokenizer("Hello there, world", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(shouting, ids[:1], SamplingParams())
+    for token_id in ids[1:]:
+        detok.add_token(token_id)
+    detok.flush()
+    assert detok.text == shouting.decode(ids[1:]) and detok.text.isupper()
 
 
 def test_output_bytes_after_a_prompt_ending_in_byte_fallback_characters():
