@@ -102,3 +102,14 @@ def run_job_on(llm, job) -> tuple[float, object]:
     finally:
         OperatorConfig.build_llm = build  # type: ignore[method-assign]
     return t.seconds, summary
+
+
+def grammar_library_version() -> str | None:
+    """The installed xgrammar's version, for structured-output records: the grammar
+    library, not the engine, decides much of a constrained batch's speed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import Recorder, Timer
+from common import Recorder, Timer, grammar_library_version
 from synthetic_tokenizer import build_tokenizer
 from timeline import RunLog, StepLog, python_speed_ms
 
@@ -611,6 +611,7 @@ def w1_json(args, rec: Recorder, folder: Path) -> None:
         async_scheduling=llm.llm_engine.config.scheduler.async_scheduling,
         tokenizer=f"synthetic byte-level BPE of {vocab} tokens (both runs detokenize)",
         **step_budget(llm),
+        xgrammar=grammar_library_version(),
     )
     rec.record(
         system="batchlm-unconstrained", value=round(free_tps, 1), seconds=round(free_s, 3), **common

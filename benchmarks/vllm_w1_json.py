@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from common import Recorder
+from common import Recorder, grammar_library_version
 from gpu_generate import LLAMA_8B, RECORDS_SCHEMA, w1_json_inputs
 
 
@@ -78,6 +78,7 @@ def main() -> None:
         output_len=256,
         tokenizer=f"synthetic byte-level BPE of {vocab} tokens (both runs detokenize)",
         init_seconds=round(init_s, 1),
+        xgrammar=grammar_library_version(),
     )
     rec = Recorder(args.out)
     rec.record(
