@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from common import Recorder, grammar_library_version
-from gpu_generate import LLAMA_8B, RECORDS_SCHEMA, w1_json_inputs
+from gpu_generate import LLAMA_8B
+from w1_json import RECORDS_SCHEMA, w1_json_inputs
 
 
 def main() -> None:
