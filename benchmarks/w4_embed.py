@@ -54,6 +54,23 @@ def make_texts(num: int, seed: int = 0) -> list[str]:
     return texts
 
 
+def vllm_comparison_texts(num: int, seed: int = 0) -> list[str]:
+    """The texts of the vLLM comparison (`../shared/vllm/embed_bench.py`), drawn the same
+    way: lognormal word counts (median ≈ 24 words, ≈ 26 tokens; 6 to 200 words) over 20,000
+    alphabetic words of MiniLM's vocabulary, so more word pieces per text than `make_texts`."""
+    vocab = Path(__file__).parent / "assets" / "minilm-l6-shape" / "vocab.txt"
+    words = [w for w in vocab.read_text().split() if w.isalpha() and len(w) > 2][:20000]
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(num):
+        n = min(200, max(6, int(rng.lognormvariate(3.2, 0.7))))
+        texts.append(" ".join(rng.choice(words) for _ in range(n)))
+    return texts
+
+
+TEXTS = {"w4": make_texts, "vllm": vllm_comparison_texts}
+
+
 def random_weight_model() -> str:
     """A MiniLM-L6-shaped sentence-transformers folder with seeded random weights."""
     import shutil
@@ -79,6 +96,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine default if unset")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument(
+        "--texts",
+        choices=sorted(TEXTS),
+        default="w4",
+        help="w4: the W4 texts; vllm: the vLLM comparison's (embed_bench.py)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = random_weight_model() if args.random_weights else MODEL
@@ -87,7 +110,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
-    texts = make_texts(args.num_texts)
+    texts = TEXTS[args.texts](args.num_texts)
     llm = LLM(
         model,
         dtype=args.dtype,
@@ -164,6 +187,7 @@ def main() -> None:
         max_num_seqs=sched.max_num_seqs,
         model=MODEL if not args.random_weights else "MiniLM-L6 shape, random weights",
         dtype=args.dtype,
+        texts=args.texts,
         num_texts=len(texts),
         token_len_median=lengths[len(lengths) // 2],
         token_len_p90=lengths[int(len(lengths) * 0.9)],

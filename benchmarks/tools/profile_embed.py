@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from w4_embed import make_texts, random_weight_model  # noqa: E402
+from w4_embed import TEXTS, random_weight_model  # noqa: E402
 
 from batchlm.engine import LLM  # noqa: E402
 from batchlm.engine.outputs import PoolingOutput, PoolingRequestOutput  # noqa: E402
@@ -56,6 +56,47 @@ def host_only(llm: LLM, texts: list[str]) -> list[PoolingRequestOutput]:
     ]
 
 
+class ChunkTimeline:
+    """When each chunk of a call was tokenized (on the helper thread) and run (on the
+    caller's), from wrapping the LLM's `_pooling_inputs` and the runner's task."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.events: list[tuple[str, float, float, int]] = []
+        self._wrap(llm, "_pooling_inputs", "tokenize", lambda out: len(out[0].lens))
+        runner = llm.llm_engine.pooling_runner
+        self._wrap(runner, "embed", "run", len)
+
+    def _wrap(self, obj: Any, attr: str, kind: str, count: Callable[[Any], int]) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if kind == "run":
+                sync()
+            self.events.append((kind, start, time.perf_counter(), count(out)))
+            return out
+
+        setattr(obj, attr, wrapped)
+
+    def report(self, start: float, end: float) -> str:
+        lines = [f"{'what':<9} {'start ms':>9} {'end ms':>9} {'ms':>8} {'inputs':>7}"]
+        busy = {"tokenize": 0.0, "run": 0.0}
+        for kind, t0, t1, n in sorted(
+            (e for e in self.events if start <= e[1] <= end), key=lambda e: e[1]
+        ):
+            busy[kind] += t1 - t0
+            lines.append(
+                f"{kind:<9} {(t0 - start) * 1e3:9.1f} {(t1 - start) * 1e3:9.1f} "
+                f"{(t1 - t0) * 1e3:8.1f} {n:7d}"
+            )
+        lines.append(
+            f"call {(end - start) * 1e3:.1f} ms; tokenizing {busy['tokenize'] * 1e3:.1f} ms, "
+            f"running {busy['run'] * 1e3:.1f} ms"
+        )
+        return "\n".join(lines)
+
+
 def timed(name: str, fn: Callable[[], Any]) -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -73,17 +114,26 @@ def main() -> None:
         "--tokenize-workers", default=None, help="BATCHLM_TOKENIZE_WORKERS (default: auto)"
     )
     ap.add_argument("--host-only", action="store_true", help="skip the model's forward")
+    ap.add_argument("--texts", choices=sorted(TEXTS), default="w4")
+    ap.add_argument("--chunk", type=int, default=None, help="texts per tokenization chunk")
+    ap.add_argument(
+        "--timeline", action="store_true", help="each chunk's tokenize and run times of embed"
+    )
     args = ap.parse_args()
     if args.tokenize_workers is not None:
         os.environ["BATCHLM_TOKENIZE_WORKERS"] = args.tokenize_workers
-    texts = make_texts(args.num_texts)
+    texts = TEXTS[args.texts](args.num_texts)
+    if args.chunk is not None:
+        import batchlm.engine.pooling_inputs as pooling_inputs
+
+        pooling_inputs._TOKENIZE_CHUNK = args.chunk
     llm = LLM(
         random_weight_model(),
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=4096,
     )
-    from batchlm.engine.llm_pooling import _encode_batch
+    from batchlm.engine.pooling_inputs import _encode_batch
 
     tokenizer = llm.get_tokenizer()
     if args.host_only:
@@ -104,6 +154,12 @@ def main() -> None:
     for name, fn in runs:
         for _ in range(2):
             timed(name, fn)
+    if args.timeline and not args.host_only:
+        timeline = ChunkTimeline(llm)
+        for _ in range(2):
+            start = time.perf_counter()
+            llm.embed(texts, use_tqdm=False)
+            print(timeline.report(start, time.perf_counter()), flush=True)
     pool = llm._tokenize_pool
     print(f"tokenizer workers: {pool.num_workers if pool is not None else 0}")
     prof = cProfile.Profile()
