@@ -21,7 +21,7 @@ from .errors import InvalidParamError, InvalidPromptError
 from .inputs import PromptType, normalize_prompts, prompt_list
 from .pooling_engine import PoolingEngine
 from .pooling_params import PoolingParams
-from .tokenize_pool import EncodedTexts, TokenizePool, TokenizePoolError
+from .tokenize_pool import BatchEncoder, EncodedTexts, TokenizePool, TokenizePoolError
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 # (and by the tokenizer worker processes, where they are on).
 _TOKENIZE_CHUNK = 16384
 # Automatic tokenizer workers: one per usable core beyond the two that the engine's own
-# threads keep busy, at most this many (more would not keep up with the device any better).
-_MAX_AUTO_TOKENIZE_WORKERS = 8
+# threads keep busy, at most this many. On an H200 host of 16 cores, 13 workers tokenized the
+# vLLM comparison's texts in 1.4 s per 100,000 against 2.1 s for 8, while the device needs
+# about 0.6 s for them (docs/performance.md, W4).
+_MAX_AUTO_TOKENIZE_WORKERS = 16
 
 
 class PoolingInputsMixin:
@@ -44,6 +46,8 @@ class PoolingInputsMixin:
     _tokenize_pool: TokenizePool | None = None
     _tokenize_pool_finalizer: weakref.finalize | None = None
     _is_tokenize_pool_failed: bool = False
+    # (the tokenizer's Rust backend, an encoder of its copy, None where it has no JSON form)
+    _batch_encoder: tuple[Any, BatchEncoder | None] | None = None
 
     def _require_tokenizer(self, what: str) -> Any:  # provided by LLM
         raise NotImplementedError
@@ -219,6 +223,8 @@ class PoolingInputsMixin:
             flat = None
             if pool is not None:
                 flat = self._encode_in_pool(pool, [t for _, t in texts], max_len, lower)
+            if flat is None:
+                flat = self._encode_in_process(tokenizer, [t for _, t in texts], max_len, lower)
             if flat is not None and len(texts) == n:
                 packed = PackedInputs.from_lens(flat.token_ids, flat.lens)
             else:
@@ -271,6 +277,26 @@ class PoolingInputsMixin:
             if pool.is_closed:
                 self._drop_tokenize_pool(e)
             return None
+
+    def _encode_in_process(
+        self, tokenizer: Any, texts: list[str], max_len: int | None, lower: bool
+    ) -> EncodedTexts | None:
+        """`texts` tokenized here by a `BatchEncoder` of the tokenizer's Rust backend (copied
+        on first use, as the worker processes copy it), or None when it has none that can
+        be serialised: the caller then calls the tokenizer itself."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            return None
+        if self._batch_encoder is None or self._batch_encoder[0] is not backend:
+            try:
+                encoder: BatchEncoder | None = BatchEncoder(backend.to_str())
+            except Exception:  # e.g. a custom Python pre-tokenizer cannot be serialised
+                encoder = None
+            self._batch_encoder = (backend, encoder)
+        encoder = self._batch_encoder[1]
+        if encoder is None:
+            return None
+        return EncodedTexts(*encoder.encode(texts, max_len, lower))
 
     def _check_pooling_input(self, index: int, ids: list[int], check_ids: bool = True) -> None:
         max_len = self.llm_engine.config.model.max_model_len
