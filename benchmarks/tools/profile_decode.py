@@ -30,6 +30,7 @@ W1: 256 x 512-token prompts, greedy, with output long enough for 2 + 2 x --w1-st
 
     python3 benchmarks/tools/profile_decode.py --out $OUT/profile.txt
     python3 benchmarks/tools/profile_decode.py --model qwen3moe  # W6's shape, dummy weights
+    python3 benchmarks/tools/profile_decode.py --model llama8b-int4 --workload W3  # W3-int4
     python3 benchmarks/tools/profile_decode.py --smoke  # tiny shapes, CPU activities only
 """
 
@@ -53,6 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, QWEN_05B, SMOKE, prompts_of  # noqa: E402
+from int4 import GPTQ_CONFIG  # noqa: E402
 from moe_w6 import QWEN3_30B_A3B  # noqa: E402
 from moe_w6 import SMOKE as MOE_SMOKE  # noqa: E402
 from timeline import RunLog, busy_us, device_events, idle_gaps  # noqa: E402
@@ -61,7 +63,12 @@ from batchlm.engine import LLM, SamplingParams  # noqa: E402
 from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
 
 TOP_KERNELS = 25
-MODEL_NAMES = {"llama8b": "Llama-3.1-8B", "qwen3moe": "Qwen3-30B-A3B", "qwen05b": "Qwen2.5-0.5B"}
+MODEL_NAMES = {
+    "llama8b": "Llama-3.1-8B",
+    "llama8b-int4": "Llama-3.1-8B GPTQ (4-bit, groups of 128, symmetric)",
+    "qwen3moe": "Qwen3-30B-A3B",
+    "qwen05b": "Qwen2.5-0.5B",
+}
 
 
 def write_random_llama(shape: dict, folder: Path, dtype: torch.dtype, device: str) -> Path:
@@ -376,10 +383,10 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="reuse / keep the random checkpoint here")
     ap.add_argument(
         "--model",
-        choices=["llama8b", "qwen3moe", "qwen05b"],
+        choices=sorted(MODEL_NAMES),
         default="llama8b",
-        help="qwen3moe: W6's Qwen3-30B-A3B shape; qwen05b: W2's Qwen2.5-0.5B shape (both "
-        "load_format='dummy': no checkpoint written)",
+        help="qwen3moe: W6's Qwen3-30B-A3B shape; qwen05b: W2's Qwen2.5-0.5B shape; "
+        "llama8b-int4: W3-int4's GPTQ config (all load_format='dummy': no checkpoint written)",
     )
     ap.add_argument(
         "--rank-share",
@@ -397,6 +404,11 @@ def main() -> int:
         shape = dict(QWEN3_30B_A3B, **(MOE_SMOKE if args.smoke else {}))
     elif args.model == "qwen05b":
         shape = dict(QWEN_05B, **(SMOKE if args.smoke else {}))
+    elif args.model == "llama8b-int4":
+        group = dict(GPTQ_CONFIG, group_size=32 if args.smoke else 128)
+        shape = dict(LLAMA_8B, quantization_config=group)
+        if args.smoke:
+            shape = {**shape, **SMOKE, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None}
     else:
         shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
         if args.smoke:
