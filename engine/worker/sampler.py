@@ -66,6 +66,9 @@ class SamplingMetadata:
     """Penalties, bias, allowed and banned tokens; None when no row uses any."""
     return_sampling_mask: bool = False
     """Also return, per row, the tokens that survive the filtering (see SamplerOutput)."""
+    any_greedy: bool = True
+    """Some row is greedy: its argmax is taken (a full pass over the logits, skipped when
+    no row needs it)."""
 
     @property
     def is_argmax_only(self) -> bool:
@@ -128,6 +131,7 @@ class SamplingMetadata:
                 params, vocab_size, device, output_token_ids, prompt_token_ids, eos_token_ids
             ),
             return_sampling_mask=return_sampling_mask,
+            any_greedy=any(greedy),
         )
 
 
@@ -345,17 +349,22 @@ class Sampler:
         )
         if meta.processing is not None:
             logits = apply_logits_processing(logits.clone(), meta.processing)
-        greedy_ids = row_argmax(logits)
+        # Each pass over the `[num_rows, vocab]` logits runs only when a row needs it: the
+        # argmax for greedy rows, the surviving-token mask for `return_sampling_mask`.
+        greedy_ids = row_argmax(logits) if meta.any_greedy or meta.all_greedy else None
         keep = None
         if meta.all_greedy:
             sampled = greedy_ids
         else:
-            probs, keep = self.filtered_probs(logits, meta)
-            sampled = torch.where(meta.greedy, greedy_ids, self._race(probs, meta))
+            probs, keep = self.filtered_probs(logits, meta, meta.return_sampling_mask)
+            sampled = self._race(probs, meta)
+            if greedy_ids is not None:
+                sampled = torch.where(meta.greedy, greedy_ids, sampled)
         out = SamplerOutput(sampled, None, None, None, None)
         if meta.return_sampling_mask and keep is not None:
-            one_hot = torch.zeros_like(keep).scatter_(1, greedy_ids[:, None], True)
-            keep = torch.where(meta.greedy[:, None], one_hot, keep)
+            if greedy_ids is not None:
+                one_hot = torch.zeros_like(keep).scatter_(1, greedy_ids[:, None], True)
+                keep = torch.where(meta.greedy[:, None], one_hot, keep)
             out.sampling_mask_bits = _pack_bits(keep)
         if raw_logprobs is not None:
             (
@@ -368,20 +377,21 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(
-        logits: torch.Tensor, meta: SamplingMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits: torch.Tensor, meta: SamplingMetadata, with_keep: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The distribution to sample from, and the mask of tokens that survive filtering
-        (`[num_rows, vocab_size]` each)."""
+        (`[num_rows, vocab_size]` each; None unless `with_keep`)."""
         logits = logits / meta.temperature[:, None]
         if meta.top_k is not None or meta.top_p is not None:
             logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = torch.softmax(logits, dim=-1)
-        keep = logits > float("-inf")
+        keep = logits > float("-inf") if with_keep else None
         if meta.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p[:, None]
             below = probs < threshold
             probs = probs.masked_fill(below, 0.0)
-            keep &= ~below
+            if keep is not None:
+                keep &= ~below
         return probs, keep
 
     def _race(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

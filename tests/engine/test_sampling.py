@@ -243,3 +243,28 @@ def test_row_argmax_is_the_first_maximum(width, dtype, device):
         assert torch.equal(row_argmax(rows), rows.argmax(dim=-1))
     wide = torch.cat([x, x], dim=1)[:, :width]  # a slice of wider rows (TP gathered logits)
     assert torch.equal(row_argmax(wide), wide.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05])
+@pytest.mark.parametrize("mask", [False, True])
+def test_skipped_passes_change_no_token_and_no_mask(min_p, mask):
+    """A batch with no greedy row skips the greedy argmax (and the surviving-token mask when
+    it is not asked for): the tokens and masks are those of the sampler running every pass,
+    from the same generator state."""
+    torch.manual_seed(0)
+    vocab = 64
+    params = [SamplingParams(temperature=t, min_p=min_p) for t in (0.6, 1.0, 1.4, 0.3)] * 8
+    logits = torch.randn(len(params), vocab) * 2
+    meta = SamplingMetadata.build(params, {}, vocab, torch.device("cpu"), return_sampling_mask=mask)
+    assert not meta.any_greedy
+    every_pass = SamplingMetadata.build(
+        params, {}, vocab, torch.device("cpu"), return_sampling_mask=mask
+    )
+    every_pass.any_greedy = True
+    got = Sampler(torch.Generator().manual_seed(3))(logits, meta)
+    expected = Sampler(torch.Generator().manual_seed(3))(logits, every_pass)
+    assert torch.equal(got.sampled_token_ids, expected.sampled_token_ids)
+    if mask:
+        assert torch.equal(got.sampling_mask_bits, expected.sampling_mask_bits)
+    else:
+        assert got.sampling_mask_bits is None and expected.sampling_mask_bits is None
