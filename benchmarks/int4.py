@@ -77,11 +77,16 @@ def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(16, vocab) for _ in range(n)]
 
 
+def gptq_config(smoke: bool) -> dict:
+    """GPTQ_CONFIG, in groups of 32 for the smoke shapes (whose rows hold fewer than 128)."""
+    return dict(GPTQ_CONFIG, group_size=32 if smoke else 128)
+
+
 def config_folder(variant: str, smoke: bool) -> Path:
     """A folder holding the variant's config.json alone."""
     shape = {**LLAMA_8B, **(SMOKE if smoke else {})}
     if variant == "int4":
-        shape["quantization_config"] = dict(GPTQ_CONFIG, group_size=32 if smoke else 128)
+        shape["quantization_config"] = gptq_config(smoke)
     folder = Path(tempfile.mkdtemp(prefix=f"int4-bench-{variant}-"))
     (folder / "config.json").write_text(json.dumps(shape))
     return folder

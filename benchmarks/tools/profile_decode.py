@@ -54,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_generate import LLAMA_8B, LLAMA_8B_RANK_SHARE, QWEN_05B, SMOKE, prompts_of  # noqa: E402
-from int4 import GPTQ_CONFIG  # noqa: E402
+from int4 import gptq_config  # noqa: E402
 from moe_w6 import QWEN3_30B_A3B  # noqa: E402
 from moe_w6 import SMOKE as MOE_SMOKE  # noqa: E402
 from timeline import RunLog, busy_us, device_events, idle_gaps  # noqa: E402
@@ -65,7 +65,7 @@ from batchlm.engine.gc_freeze import gc_heap_frozen  # noqa: E402
 TOP_KERNELS = 25
 MODEL_NAMES = {
     "llama8b": "Llama-3.1-8B",
-    "llama8b-int4": "Llama-3.1-8B GPTQ (4-bit, groups of 128, symmetric)",
+    "llama8b-int4": "Llama-3.1-8B GPTQ (4-bit, symmetric, groups of 128; 32 with --smoke)",
     "qwen3moe": "Qwen3-30B-A3B",
     "qwen05b": "Qwen2.5-0.5B",
 }
@@ -404,13 +404,10 @@ def main() -> int:
         shape = dict(QWEN3_30B_A3B, **(MOE_SMOKE if args.smoke else {}))
     elif args.model == "qwen05b":
         shape = dict(QWEN_05B, **(SMOKE if args.smoke else {}))
-    elif args.model == "llama8b-int4":
-        group = dict(GPTQ_CONFIG, group_size=32 if args.smoke else 128)
-        shape = dict(LLAMA_8B, quantization_config=group)
-        if args.smoke:
-            shape = {**shape, **SMOKE, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None}
     else:
         shape = LLAMA_8B_RANK_SHARE if args.rank_share else LLAMA_8B
+        if args.model == "llama8b-int4":
+            shape = dict(shape, quantization_config=gptq_config(args.smoke))
         if args.smoke:
             shape = {**shape, **SMOKE, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None}
     dtype = torch.bfloat16 if is_cuda else torch.float32

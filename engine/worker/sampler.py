@@ -351,20 +351,20 @@ class Sampler:
             logits = apply_logits_processing(logits.clone(), meta.processing)
         # Each pass over the `[num_rows, vocab]` logits runs only when a row needs it: the
         # argmax for greedy rows, the surviving-token mask for `return_sampling_mask`.
-        greedy_ids = row_argmax(logits) if meta.any_greedy or meta.all_greedy else None
         keep = None
         if meta.all_greedy:
-            sampled = greedy_ids
+            sampled = row_argmax(logits)
         else:
             probs, keep = self.filtered_probs(logits, meta, meta.return_sampling_mask)
             sampled = self._race(probs, meta)
-            if greedy_ids is not None:
+            if meta.any_greedy:
+                greedy_ids = row_argmax(logits)
                 sampled = torch.where(meta.greedy, greedy_ids, sampled)
+                if keep is not None:
+                    one_hot = torch.zeros_like(keep).scatter_(1, greedy_ids[:, None], True)
+                    keep = torch.where(meta.greedy[:, None], one_hot, keep)
         out = SamplerOutput(sampled, None, None, None, None)
-        if meta.return_sampling_mask and keep is not None:
-            if greedy_ids is not None:
-                one_hot = torch.zeros_like(keep).scatter_(1, greedy_ids[:, None], True)
-                keep = torch.where(meta.greedy[:, None], one_hot, keep)
+        if keep is not None:
             out.sampling_mask_bits = _pack_bits(keep)
         if raw_logprobs is not None:
             (
@@ -377,10 +377,10 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(
-        logits: torch.Tensor, meta: SamplingMetadata, with_keep: bool = True
+        logits: torch.Tensor, meta: SamplingMetadata, with_keep: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The distribution to sample from, and the mask of tokens that survive filtering
-        (`[num_rows, vocab_size]` each; None unless `with_keep`)."""
+        (`[num_rows, vocab_size]` each; the mask only `with_keep`, else None)."""
         logits = logits / meta.temperature[:, None]
         if meta.top_k is not None or meta.top_p is not None:
             logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)

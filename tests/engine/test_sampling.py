@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -257,10 +259,7 @@ def test_skipped_passes_change_no_token_and_no_mask(min_p, mask):
     logits = torch.randn(len(params), vocab) * 2
     meta = SamplingMetadata.build(params, {}, vocab, torch.device("cpu"), return_sampling_mask=mask)
     assert not meta.any_greedy
-    every_pass = SamplingMetadata.build(
-        params, {}, vocab, torch.device("cpu"), return_sampling_mask=mask
-    )
-    every_pass.any_greedy = True
+    every_pass = dataclasses.replace(meta, any_greedy=True)
     got = Sampler(torch.Generator().manual_seed(3))(logits, meta)
     expected = Sampler(torch.Generator().manual_seed(3))(logits, every_pass)
     assert torch.equal(got.sampled_token_ids, expected.sampled_token_ids)
