@@ -24,6 +24,7 @@ values), for machines without the model package.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import random
 import tempfile
 from pathlib import Path
@@ -192,6 +193,11 @@ def main() -> None:
         token_len_median=lengths[len(lengths) // 2],
         token_len_p90=lengths[int(len(lengths) * 0.9)],
         token_len_max=lengths[-1],
+        # Both systems tokenize with these: they set much of a host-bound W4's pace.
+        library_versions={
+            name: importlib.metadata.version(name)
+            for name in ("tokenizers", "transformers", "sentence-transformers", "torch")
+        },
     )
     rec.record(
         system="sentence-transformers",
