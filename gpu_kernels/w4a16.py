@@ -458,14 +458,22 @@ def dequantize_int4(
     dtype: torch.dtype,
     block_n: int = 128,
     block_k: int = 64,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight as `[K, N]` in `dtype`, rows in activation column order (row `perm[k]`
-    holds feature `k`), so that `x @ result` is the product `w4a16` computes."""
+    holds feature `k`), so that `x @ result` is the product `w4a16` computes; written into
+    `out` (contiguous `[K, N]` of `dtype`) when given."""
     num_k, num_n = qweight.shape[0] * PACK, qweight.shape[1]
     check_same_device(_dequantize_kernel, qweight=qweight, scales=scales)
     while block_k > PACK and (num_k % block_k or (g_idx is None and group_size % block_k)):
         block_k //= 2
-    out = torch.empty((num_k, num_n), dtype=dtype, device=qweight.device)
+    if out is None:
+        out = torch.empty((num_k, num_n), dtype=dtype, device=qweight.device)
+    else:
+        check_tensor("out", out, ndim=2, dtypes=(dtype,), shape={0: num_k, 1: num_n})
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous: the kernel writes rows N apart")
     _dequantize_kernel[(num_k // block_k, cdiv(num_n, block_n))](
         qweight, scales,
         zeros if zeros is not None else qweight,
@@ -479,6 +487,7 @@ def dequantize_int4(
         HAS_GIDX=g_idx is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 

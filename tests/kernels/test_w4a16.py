@@ -12,7 +12,9 @@ import torch
 
 from batchlm.kernels import w4a16 as w4a16_module
 from batchlm.kernels import w4a16_gemv
+from batchlm.kernels.launch import device_name
 from batchlm.kernels.w4a16 import (
+    dequantize_int4,
     dequantize_int4_ref,
     new_split_k_locks,
     unpack_int4_ref,
@@ -145,8 +147,9 @@ def test_swap_ab_matches_reference(rows, group_size, zeros, act_order, split_k, 
     weight = make_weight(256, 80, group_size, zeros=zeros, act_order=act_order, dtype=dtype,
                          device=device, seed=rows + group_size)  # fmt: skip
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x = x.to(device)
     launch = dict(block_m=16 if rows < 64 else 64, block_n=64, block_k=64, split_k=split_k)
-    check(x.to(device), weight, new_split_k_locks(x.device), swap_ab=True, **launch)
+    check(x, weight, new_split_k_locks(x.device), swap_ab=True, **launch)
 
 
 def test_swap_ab_is_the_tables_choice_and_one_row_keeps_the_row_form():
@@ -193,6 +196,27 @@ def test_reference_dequantizes_as_the_layout_says():
     assert dequantize_int4_ref(qweight, scales, None, group_size=8)[0, 0] == -4.0  # zero 8
 
 
+def test_dequantize_into_a_given_buffer(device):
+    """`out` receives the weight (rows in activation order) that a fresh tensor would, at
+    any launch; a buffer of the wrong shape or layout is refused by name."""
+    weight = make_weight(128, 48, 32, zeros=True, act_order=True, device=device, seed=3)
+    args = (weight["qweight"], weight["scales"], weight["zeros"], 32, weight["perm"], None)
+    want = dequantize_int4(*args, torch.float32)
+    ref = dequantize_int4_ref(weight["qweight"], weight["scales"], weight["zeros"], 32)
+    unsorted = torch.empty_like(ref)
+    unsorted[weight["perm"].long()] = ref
+    torch.testing.assert_close(want, unsorted)
+    buffer = torch.full((2 * 128 * 48,), float("nan"), device=want.device)
+    out = buffer[: 128 * 48].view(128, 48)
+    got = dequantize_int4(*args, torch.float32, block_n=16, block_k=16, num_warps=2, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert bool(buffer[128 * 48 :].isnan().all())  # nothing written past it
+    with pytest.raises(ValueError, match="out has size 48 in dimension 0"):
+        dequantize_int4(*args, torch.float32, out=buffer[: 128 * 48].view(48, 128))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        dequantize_int4(*args, torch.float32, out=buffer.view(128, 96)[:, :48])
+
+
 def test_operands_are_checked(device):
     weight = make_weight(64, 16, 32, zeros=True, act_order=True, device=device)
     x = torch.randn(2, 64).to(device)
@@ -219,7 +243,7 @@ def test_operands_are_checked(device):
 SHAPE = W4a16Shape("cpu", 80, 256, 64, "bfloat16")
 
 
-def test_table_buckets_and_the_cublas_word(tmp_path):
+def test_table_buckets_and_the_cublas_word(tmp_path, device):
     buckets = {
         1: W4a16Launch(1, 32, 64, 4, 4, 3),
         16: W4a16Launch(16, 64, 64, 2, 4, 3, swap_ab=True),
@@ -241,8 +265,10 @@ def test_table_buckets_and_the_cublas_word(tmp_path):
     # An override of a block size (or backend="triton") leaves the cuBLAS path.
     assert choose_w4a16_launch(300, SHAPE, 4, table, block_m=32).backend == "triton"
     # The table's launch runs (on a weight of that shape) and agrees with the reference.
-    weight = make_weight(256, 80, 64, zeros=True, act_order=False)
-    x = torch.randn(300, 256).to(torch.bfloat16)
+    here = SHAPE._replace(device_name=device_name(torch.device(device)))
+    table = {here: table[SHAPE]}
+    weight = make_weight(256, 80, 64, zeros=True, act_order=False, device=device)
+    x = torch.randn(300, 256).to(torch.bfloat16).to(device)
     ref = w4a16_ref(x, **weight)
     torch.testing.assert_close(w4a16(x, **weight, table=table).float(), ref.float(),
                                atol=1e-1, rtol=2e-2)  # fmt: skip
