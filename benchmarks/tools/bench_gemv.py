@@ -7,6 +7,7 @@ copies of the weight (>= 512 MiB) that none is served from L2, as in a real step
 other layers' weights pass through in between. Outputs are checked against F.linear.
 
     python3 benchmarks/tools/bench_gemv.py --out $OUT/gemv.jsonl
+    python3 benchmarks/tools/bench_gemv.py --defaults   # each shape at the launch gemv picks
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from batchlm.kernels.gemv import gemv
+from batchlm.kernels.gemv import choose_gemv_launch, gemv
 
 SHAPES = {  # name: (N, K)
     "qkv_proj": (6144, 4096),
@@ -67,6 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", action="append", choices=list(SHAPES))
+    ap.add_argument("--defaults", action="store_true", help="time only the launch gemv picks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: needs a CUDA GPU")
@@ -79,6 +81,8 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shape or list(SHAPES):
         n, k = SHAPES[name]
+        if args.defaults:
+            configs = [tuple(choose_gemv_launch(n, k))]
         nbytes = n * k * 2
         copies = max(2, -(-COPIES_BYTES // nbytes))
         weights = [
