@@ -68,13 +68,6 @@ def programmatic_launch() -> bool:
     return _switch("BATCHLM_PDL", True)
 
 
-def fused_norm_gemv() -> bool:
-    """BATCHLM_FUSED_NORM_GEMV: `0` runs the RMSNorm before q|k|v and gate|up as its own
-    kernel at batch 1, where by default the projection's matrix-vector kernel applies it
-    (`gpu_kernels/gemv.py`'s `rms_norm_gemv`, the same bits)."""
-    return _switch("BATCHLM_FUSED_NORM_GEMV", True)
-
-
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

@@ -9,13 +9,6 @@ there is no split-K reduction and no second kernel; `BLOCK_N` is small enough th
 program of the usual shapes is resident at once.
 
 `gemv_ref` is the plain PyTorch product (the reference, and the CPU path).
-
-`rms_norm_gemv` folds the RMSNorm before a projection (with the residual add before it, as
-`fused_add_rms_norm` has it) into the same kernel: each program first reads the whole row
-(and residual) after its wait, sums its squares as the norm kernel does, then forms each
-tile of the normalised row with the norm kernel's roundings while it streams its weight
-rows; program 0 writes the new residual. A decode step at batch 1 then runs one kernel
-where it ran two. `rms_norm_gemv_ref` is the norm's reference followed by `gemv_ref`.
 """
 
 from __future__ import annotations
@@ -36,14 +29,7 @@ from .launch import (
 )
 from .pdl import launch_options, wait_for_previous_kernel
 
-__all__ = [
-    "GemvLaunch",
-    "choose_gemv_launch",
-    "gemv",
-    "gemv_ref",
-    "rms_norm_gemv",
-    "rms_norm_gemv_ref",
-]
+__all__ = ["GemvLaunch", "choose_gemv_launch", "gemv", "gemv_ref"]
 
 # Defaults by output features, from a launch sweep over Llama-3.1-8B's shapes in bf16
 # (docs/performance.md): wide layers (gate|up, the LM head) stream short tiles deeply
@@ -114,66 +100,6 @@ def _load_x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(x_ptr + ks)
     return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-
-
-@triton.jit
-def _normed_tile(x_ptr, r_ptr, g_ptr, ks, rs, HAS_RESIDUAL: tl.constexpr):
-    """Columns `ks` of the normalised row as the norm kernel stores it (its dtype), in
-    float32: the sum with the residual rounded, times `rs` rounded, times the weight
-    rounded (`rms_norm.rms_norm_row`'s order)."""
-    dtype = x_ptr.dtype.element_ty
-    h = tl.load(x_ptr + ks)
-    if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(r_ptr + ks).to(tl.float32)).to(dtype)
-    normed = (h.to(tl.float32) * rs).to(dtype).to(tl.float32)
-    return (normed * tl.load(g_ptr + ks).to(tl.float32)).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _rms_norm_gemv_kernel(
-    x_ptr,  # [K] the row before the norm
-    r_ptr,  # [K] residual (read when HAS_RESIDUAL)
-    g_ptr,  # [K] the norm's weight
-    w_ptr,  # [N, K], rows `stride_wn` apart
-    b_ptr,  # [N] (read when HAS_BIAS)
-    y_ptr,  # [N]
-    h_ptr,  # [K] x + residual, written by program 0 (when HAS_RESIDUAL)
-    N,
-    K,
-    stride_wn,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # next power of 2 >= K
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides K
-    PDL: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    w = _load_weight_tile(rows, offs_k, offs_n, N, K, EVEN_N, True)
-    wait_for_previous_kernel(PDL)
-    offs = tl.arange(0, BLOCK_H)
-    mask = offs < K
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if tl.program_id(0) == 0:
-            tl.store(h_ptr + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    rs = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    acc = w.to(tl.float32) * _normed_tile(x_ptr, r_ptr, g_ptr, offs_k, rs, HAS_RESIDUAL)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        w = _load_weight_tile(rows, ks, offs_n, N, K, EVEN_N, True)
-        acc += w.to(tl.float32) * _normed_tile(x_ptr, r_ptr, g_ptr, ks, rs, HAS_RESIDUAL)[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 class GemvLaunch(NamedTuple):
@@ -274,86 +200,3 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def rms_norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    **launch: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv(norm(x + residual), weight, bias)` in one kernel, and `x + residual`.
-
-    Args:
-        x: `[1, K]` with unit stride, the row before the norm.
-        residual: `[1, K]` like x, or None (the norm of x alone; x is then the residual).
-        norm_weight: `[K]`, the RMSNorm's weight.
-        eps: Added to the mean square before the square root.
-        weight, bias: As `gemv` takes them.
-        **launch: As `gemv` takes them; `block_k` must divide K.
-
-    Returns:
-        `(y, new_residual)`: `[1, N]` as `gemv` returns it, and `x + residual` (x itself
-        when there is no residual).
-    """
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, shape={0: 1})
-    num_k = x.shape[1]
-    tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), shape={0: 1, 1: num_k})
-        tensors["residual"] = residual
-    check_tensor("norm_weight", norm_weight, ndim=1, shape={0: num_k})
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={1: num_k})
-    num_n = weight.shape[0]
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, shape={0: num_n})
-        tensors["bias"] = bias
-    check_same_device(_rms_norm_gemv_kernel, **tensors)
-    cfg = choose_gemv_launch(num_n, num_k, **launch)
-    if num_k % cfg.block_k:
-        raise ValueError(f"block_k={cfg.block_k} must divide the {num_k} input features")
-    y = torch.empty((1, num_n), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x) if residual is not None else x
-    _rms_norm_gemv_kernel[(cdiv(num_n, cfg.block_n),)](
-        x,
-        residual if residual is not None else x,
-        norm_weight,
-        weight,
-        bias if bias is not None else y,
-        y,
-        h,
-        num_n,
-        num_k,
-        weight.stride(0),
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
-        EVEN_N=num_n % cfg.block_n == 0,
-        BLOCK_H=triton.next_power_of_2(num_k),
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **launch_options(_rms_norm_gemv_kernel, x.device),
-    )
-    return y, h
-
-
-def rms_norm_gemv_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm's reference (`fused_add_rms_norm_ref` / `rms_norm_ref`), then `gemv_ref`."""
-    from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
-
-    if residual is None:
-        return gemv_ref(rms_norm_ref(x, norm_weight, eps), weight, bias), x
-    normed, h = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    return gemv_ref(normed, weight, bias), h

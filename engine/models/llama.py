@@ -16,13 +16,8 @@ from ..attention.backend import AttentionBackend, AttentionMetadata
 from .base import CausalLM
 from .layers.activation import SiluAndMul
 from .layers.attention import Attention
-from .layers.linear import (
-    MergedLinear,
-    lm_head,
-    row_parallel_linear,
-    vocab_embedding,
-)
-from .layers.norm import RMSNorm, rms_norm_linear
+from .layers.linear import MergedLinear, lm_head, row_parallel_linear, vocab_embedding
+from .layers.norm import RMSNorm
 from .layers.rotary import RotaryEmbedding, rope_spec_from_config
 
 if TYPE_CHECKING:
@@ -111,17 +106,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden_states), kv_cache, metadata)
-
-    def attend(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: q|k|v's output
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The attention after q|k|v (`forward` from its output)."""
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -151,11 +136,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.after_gate_up(self.gate_up_proj(x))
-
-    def after_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from gate|up's output."""
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -186,16 +167,12 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm goes with the projection after it (one kernel at batch 1).
-        qkv, residual = rms_norm_linear(
-            self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual
-        )
-        hidden_states = self.self_attn.attend(positions, qkv, kv_cache, metadata)
-        if isinstance(self.mlp, LlamaMLP):
-            gate_up, residual = rms_norm_linear(
-                self.post_attention_layernorm, self.mlp.gate_up_proj, hidden_states, residual
-            )
-            return self.mlp.after_gate_up(gate_up), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

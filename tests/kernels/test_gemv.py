@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchlm.kernels.gemv import (
-    choose_gemv_launch,
-    gemv,
-    gemv_ref,
-    rms_norm_gemv,
-    rms_norm_gemv_ref,
-)
-from batchlm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from batchlm.kernels.gemv import choose_gemv_launch, gemv, gemv_ref
 
 from .helpers import DTYPES, ON_GPU, gpu_only
 
@@ -81,59 +74,6 @@ def test_gemv_refuses_what_it_would_misread(device):
         gemv(x, torch.randn(32, 8, device=device).T)
     with pytest.raises(ValueError, match="bias"):
         gemv(x, w, torch.randn(9, device=device))
-
-
-@pytest.mark.parametrize(
-    ("num_n", "num_k", "launch"),
-    [
-        (48, 64, {"block_k": 32}),
-        (50, 96, {"block_k": 32, "block_n": 16}),  # K no power of two, ragged N
-        (40, 256, {"block_n": 8, "block_k": 64, "num_warps": 2, "num_stages": 1}),
-        gpu_only(6144, 4096, {}),
-        gpu_only(28672, 4096, {}),
-    ],
-)
-@pytest.mark.parametrize("residual", [True, False], ids=["add", "no-residual"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_gemv_is_the_norm_then_the_product(num_n, num_k, launch, residual, dtype, device):
-    """Against the norm's reference then the float32 product, and against the two kernels
-    it replaces; the new residual is the norm kernel's `x + residual` to the bit."""
-    gen = torch.Generator().manual_seed(num_n * num_k)
-    x = (3 * torch.randn(1, num_k, generator=gen)).to(dtype).to(device)
-    r = torch.randn(1, num_k, generator=gen).to(dtype).to(device) if residual else None
-    g = (1 + 0.2 * torch.randn(num_k, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(num_n, num_k, generator=gen) / num_k**0.5).to(dtype).to(device)
-    b = torch.randn(num_n, generator=gen).to(dtype).to(device)
-    y, h = rms_norm_gemv(x, r, g, 1e-5, w, b, **launch)
-    y_ref, h_ref = rms_norm_gemv_ref(x, r, g, 1e-5, w, b)
-    _check(y, y_ref)
-    if residual:
-        two = fused_add_rms_norm(x, r, g, 1e-5)
-        assert torch.equal(h, two.residual)
-        normed = two.out
-    else:
-        assert h is x
-        normed = rms_norm(x, g, 1e-5)
-    two_kernels = gemv(normed, w, b, **launch)
-    _check(y, two_kernels)
-    if not ON_GPU:
-        # Same tiles in the same order: the interpreter's sums agree to the bit. (On a GPU
-        # the two kernels' reductions over the row may differ in their last bit.)
-        assert torch.equal(y, two_kernels)
-
-
-def test_rms_norm_gemv_refuses_what_it_would_misread(device):
-    x = torch.randn(1, 64, device=device)
-    g, w = torch.ones(64, device=device), torch.randn(8, 64, device=device)
-    with pytest.raises(ValueError, match="x has size 2"):
-        rms_norm_gemv(torch.randn(2, 64, device=device), None, g, 1e-5, w)
-    with pytest.raises(ValueError, match="residual"):
-        rms_norm_gemv(x, torch.randn(1, 32, device=device), g, 1e-5, w)
-    with pytest.raises(ValueError, match="norm_weight"):
-        rms_norm_gemv(x, None, torch.ones(32, device=device), 1e-5, w)
-    with pytest.raises(ValueError, match="block_k=64 must divide the 96"):
-        rms_norm_gemv(torch.randn(1, 96, device=device), None, torch.ones(96, device=device),
-                      1e-5, torch.randn(8, 96, device=device), block_k=64)  # fmt: skip
 
 
 def test_launch_defaults_follow_the_width_and_overrides_are_checked():

@@ -41,14 +41,14 @@ if TYPE_CHECKING:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear`, or for one half-precision row on CUDA (a decode step at batch 1) the
     Triton matrix-vector kernel, which reads the weight faster than cuBLAS there."""
-    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in GEMV_DTYPES and use_triton_kernels(x):
+    if x.shape[0] == 1 and x.dim() == 2 and x.dtype in _GEMV_DTYPES and use_triton_kernels(x):
         from batchlm.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-GEMV_DTYPES = (torch.float16, torch.bfloat16)
+_GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def batch_invariant_linear(

@@ -10,7 +10,7 @@ from torch import nn
 
 from batchlm.kernels import use_triton_kernels
 
-from .linear import GEMV_DTYPES, Linear, batch_invariant_linear
+from .linear import batch_invariant_linear
 
 if TYPE_CHECKING:
     from ...distributed.parallel import TPGroup
@@ -141,44 +141,3 @@ class Float32ScaledRMSNorm(nn.Module):
             weight = self.weight_offset + weight
         out = (h * weight).to(x.dtype)
         return out if residual is None else (out, residual)
-
-
-def rms_norm_linear(
-    norm: nn.Module, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(layer(norm(x + residual)), x + residual)`, or with no residual `(layer(norm(x)),
-    x)`: a decoder layer's norm and the projection after it.
-
-    For one half-precision row on CUDA, a plain `RMSNorm` (no tensor-parallel sum) before a
-    plain full-precision layer (no quantization, LoRA or batch invariance) runs as one
-    kernel, `rms_norm_gemv`, with the roundings of the two it replaces
-    (BATCHLM_FUSED_NORM_GEMV=0: as two)."""
-    if _fuses_norm(norm, layer, x, residual):
-        from batchlm.kernels.gemv import rms_norm_gemv
-
-        return rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
-    if residual is None:
-        return layer(norm(x)), x
-    normed, residual = norm(x, residual)
-    return layer(normed), residual
-
-
-def _fuses_norm(
-    norm: nn.Module, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None
-) -> bool:
-    from ...envs import fused_norm_gemv
-
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in GEMV_DTYPES or x.stride(-1) != 1:
-        return False
-    if type(norm) is not RMSNorm or norm.sum_over is not None or norm.weight.dtype != x.dtype:
-        return False
-    if layer.quant_method is not None or layer.batch_invariant or layer.lora is not None:
-        return False
-    if layer.weight.dtype != x.dtype or (residual is not None and residual.stride(-1) != 1):
-        return False
-    if not use_triton_kernels(x) or not fused_norm_gemv():
-        return False
-    from batchlm.kernels.gemv import choose_gemv_launch
-
-    num_k = x.shape[1]
-    return num_k % choose_gemv_launch(layer.weight.shape[0], num_k).block_k == 0
