@@ -37,6 +37,33 @@ def git_commit() -> str:
         return "unknown"
 
 
+def graph_replay_us(fn, per_sample: int, samples: int = 5) -> float:
+    """Microseconds per replay of a CUDA graph of one `fn()` call (run once eagerly first,
+    on a side stream, then captured): the best of `samples` timings of `per_sample`
+    back-to-back replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(samples):
+        start.record()
+        for _ in range(per_sample):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / per_sample)
+    return best
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

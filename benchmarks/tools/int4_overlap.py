@@ -45,7 +45,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("int4_overlap: needs a CUDA GPU")
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from common import graph_replay_us
+
     from batchlm.kernels.w4a16 import dequantize_int4
 
     dev = torch.device("cuda")
@@ -144,28 +146,7 @@ def main() -> int:
             free[i].record(main_s)
 
     def timed(fn) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=s):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(5):
-            a.record()
-            for _ in range(3):
-                g.replay()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) * 1e3 / 3 / args.layers)
-        del g
-        return best
+        return graph_replay_us(fn, per_sample=3) / args.layers
 
     # Same bits whichever way: the overlapped chain's outputs against the serial chain's.
     checks = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -81,6 +82,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("w3_norm_gemv: needs a CUDA GPU")
         return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from common import graph_replay_us
+
     dev, dtype, n, k, eps = "cuda", torch.bfloat16, 6144, 4096, 1e-5
     gen = torch.Generator(dev).manual_seed(0)
     ws = [torch.empty(n, k, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen)
@@ -98,27 +102,7 @@ def main() -> int:
                 for g, w in zip(gs, ws, strict=True)]  # fmt: skip
 
     def timed(fn) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(5):
-            a.record()
-            for _ in range(4):
-                graph.replay()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) * 1e3 / 4 / args.layers)
-        return best
+        return graph_replay_us(fn, per_sample=4) / args.layers
 
     want = two_kernels()
     records = [
