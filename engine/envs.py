@@ -68,15 +68,6 @@ def programmatic_launch() -> bool:
     return _switch("BATCHLM_PDL", True)
 
 
-def l2_prefetch() -> str | None:
-    """BATCHLM_L2_PREFETCH: which weights a batch-1 decode step reads into L2 on a side
-    stream while short kernels run (`models/layers/prefetch.py`): a comma-separated list of
-    `o`, `gate_up`, `down` and `qkv`, each optionally `=MB` (the first MB of the weight;
-    default all of it), or `0` for none. Unset: the default plan there."""
-    value = os.environ.get("BATCHLM_L2_PREFETCH", "").strip()
-    return value or None
-
-
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

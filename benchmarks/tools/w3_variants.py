@@ -4,10 +4,6 @@ by side: one engine per variant, each built after its variant is set, three time
 Variants:
   tp1                  tensor_parallel_size=1, the engine as it is
   tp1-plain-argmax     ... with torch.argmax for greedy rows instead of sampler.row_argmax
-  tp1-l2-none          tp1 with no weight read into L2 ahead (BATCHLM_L2_PREFETCH=0)
-  tp1-l2-o             ... o_proj's weight read into L2 during attention (=o)
-  tp1-l2-all           ... and the first MB of gate|up, down and q|k|v during the norms and
-                       SiLU (=o,gate_up=8,down=6,qkv=8)
   tp2                  tensor_parallel_size=2 (2 GPUs)
   tp2-fused-norm       ... with BATCHLM_FUSED_ALL_REDUCE_NORM=1 (the ranks inherit it)
   tp2-plain-argmax     ... with torch.argmax (rank 0 samples, so the replacement covers it)
@@ -22,7 +18,6 @@ tokens).
 
     python3 benchmarks/tools/w3_variants.py --out $OUT/w3_variants.jsonl
     python3 benchmarks/tools/w3_variants.py --variant tp2 --variant tp2-fused-norm
-    python3 benchmarks/tools/w3_variants.py --variant tp1-l2-none --variant tp1-l2-o
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_generate as g  # noqa: E402
 
 from batchlm.engine import SamplingParams  # noqa: E402
-from batchlm.engine.models.layers import prefetch  # noqa: E402
 from batchlm.engine.worker import sampler  # noqa: E402
 
 SHAPES = {"8b": g.LLAMA_8B, "rank-share": g.LLAMA_8B_RANK_SHARE}
@@ -50,12 +44,6 @@ SHAPES = {"8b": g.LLAMA_8B, "rank-share": g.LLAMA_8B_RANK_SHARE}
 VARIANTS = {
     "tp1": (1, {}, False, "8b"),
     "tp1-plain-argmax": (1, {}, True, "8b"),
-    "tp1-l2-none": (1, {"BATCHLM_L2_PREFETCH": "0"}, False, "8b"),
-    "tp1-l2-o": (1, {"BATCHLM_L2_PREFETCH": "o"}, False, "8b"),
-    "tp1-l2-all": (1, {"BATCHLM_L2_PREFETCH": "o,gate_up=8,down=6,qkv=8"}, False, "8b"),
-    "tp1-l2-o-late": (1, {"BATCHLM_L2_PREFETCH": "o", "BATCHLM_L2_TRIAL_LATE_JOIN": "1"}, False, "8b"),
-    "tp1-l2-o-late-32": (1, {"BATCHLM_L2_PREFETCH": "o", "BATCHLM_L2_TRIAL_LATE_JOIN": "1", "BATCHLM_L2_TRIAL_PROGRAMS": "32"}, False, "8b"),
-    "tp1-l2-o-32": (1, {"BATCHLM_L2_PREFETCH": "o", "BATCHLM_L2_TRIAL_PROGRAMS": "32"}, False, "8b"),
     "tp2": (2, {}, False, "8b"),
     "tp2-fused-norm": (2, {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1"}, False, "8b"),
     "tp2-plain-argmax": (2, {}, True, "8b"),
@@ -88,7 +76,6 @@ def main() -> int:
         for knob in KNOBS:
             os.environ.pop(knob, None)
         os.environ.update(env)
-        prefetch.set_plan(None)  # read again from the environment
         sampler.row_argmax = (lambda x: x.argmax(dim=-1)) if plain_argmax else two_pass
         llm = g.make_llm(folders[shape], engine_args, max_num_seqs=16, tensor_parallel_size=tp)
         prompts = g.prompts_of([32], SHAPES[shape]["vocab_size"], 0)

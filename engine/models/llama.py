@@ -14,7 +14,6 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from .base import CausalLM
-from .layers import prefetch
 from .layers.activation import SiluAndMul
 from .layers.attention import Attention
 from .layers.linear import MergedLinear, lm_head, row_parallel_linear, vocab_embedding
@@ -107,14 +106,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        started = prefetch.start("o", self.o_proj, qkv)
-        out = self._attend(positions, qkv, kv_cache, metadata)
-        prefetch.join(started, out)
-        return out
-
-    def _attend(self, positions, qkv, kv_cache, metadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -144,11 +136,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        started = prefetch.start("down", self.down_proj, gate_up)
-        out = self.down_proj(self.act(gate_up))
-        prefetch.join(started, out)
-        return out
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -179,21 +167,14 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv_started = prefetch.start("qkv", self.self_attn.qkv_proj, hidden_states)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
-        prefetch.join(qkv_started, hidden_states)
-        gate_up_started = prefetch.start(
-            "gate_up", getattr(self.mlp, "gate_up_proj", None), hidden_states
-        )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        prefetch.join(gate_up_started, hidden_states)
-        return hidden_states, residual
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -224,7 +205,6 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
-        prefetch.join_all(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
