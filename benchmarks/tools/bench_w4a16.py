@@ -13,13 +13,16 @@ output is checked against `w4a16_ref` first (relative error < 1e-2).
     python3 benchmarks/tools/bench_w4a16.py --rows 1 --shape down_proj --launch 1,64,128,8,4,3
     python3 benchmarks/tools/bench_w4a16.py --rows 16 --launch 16,128,128,4,4,3,swap_ab
     python3 benchmarks/tools/bench_w4a16.py --table $OUT/w4a16.json --out $OUT/w4a16_kernels.jsonl
+    python3 benchmarks/tools/bench_w4a16.py --tinygemm --out $OUT/w4a16_tinygemm.jsonl
 
 The launches are the repository's table's (`gpu_kernels/configs/w4a16.json`), another table's
 (`--table`, a tuner's output before it is copied there) or the one `--launch` names. `--tp
 2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
 `workload` "W4A16-kernel", `value` the int4 microseconds, `baseline_value` bf16 cuBLAS's,
 `ratio` bf16 time over int4 time (above 1: int4 faster), `launch` the launch that ran as
-the table writes it.
+the table writes it. With `--tinygemm`, PyTorch's own int4 kernel too
+(`aten::_weight_int4pack_mm`, on the same shapes with its own packing, checked against its
+dequantized weight first): `tinygemm_us`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,32 @@ def random_int4(num_n: int, num_k: int, dtype: torch.dtype, gen: torch.Generator
 def random_dense(num_n: int, num_k: int, dtype: torch.dtype) -> torch.Tensor:
     """A random weight in the activation dtype (the bf16 cuBLAS baseline's)."""
     return (torch.randn(num_n, num_k, device="cuda") / num_k**0.5).to(dtype)
+
+
+def random_tinygemm(
+    num_n: int, num_k: int, dtype: torch.dtype, gen: torch.Generator, keep_q: bool = True
+) -> dict:
+    """A random int4 weight in PyTorch's tinygemm layout (`_convert_weight_to_int4pack`, 8
+    inner K tiles), with its `[groups, N, 2]` scales and zeros, and the nibbles it packs
+    (`q`, `[N, K]`, with `keep_q`)."""
+    q = torch.randint(0, 16, (num_n, num_k), generator=gen, device="cuda", dtype=torch.uint8)
+    packed = torch._convert_weight_to_int4pack(q[:, ::2] << 4 | q[:, 1::2], 8)
+    scales = torch.rand(num_k // GROUP_SIZE, num_n, generator=gen, device="cuda")
+    scales = (0.5 + scales) / (4.6 * num_k**0.5)  # symmetric: zeros 0
+    scales_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).to(dtype)
+    weight = dict(packed=packed, scales_zeros=scales_zeros)
+    return dict(weight, q=q) if keep_q else weight
+
+
+def tinygemm(x: torch.Tensor, weight: dict) -> torch.Tensor:
+    return torch._weight_int4pack_mm(x, weight["packed"], GROUP_SIZE, weight["scales_zeros"])
+
+
+def tinygemm_ref(x: torch.Tensor, weight: dict) -> torch.Tensor:
+    """`x` times tinygemm's weight, dequantized as it defines it: (q - 8) * scale + zero."""
+    scale, zero = weight["scales_zeros"].float().repeat_interleave(GROUP_SIZE, 0).unbind(-1)
+    dense = (weight["q"].T.float() - 8) * scale + zero  # [K, N]
+    return (x.float() @ dense.to(x.dtype).float()).to(x.dtype)
 
 
 def int4_bytes(weight: dict) -> int:
@@ -123,6 +152,9 @@ def main() -> int:
         "instead of the table's",
     )  # fmt: skip
     ap.add_argument("--table", default=None, help="launch table (default: the repository's)")
+    ap.add_argument(
+        "--tinygemm", action="store_true", help="also time PyTorch's int4 kernel (tinygemm)"
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from common import Recorder
@@ -163,6 +195,13 @@ def main() -> int:
         sample = random_int4(num_n, num_k, dtype, gen)
         int4_weights = copies(partial(random_int4, num_n, num_k, dtype, gen), int4_bytes(sample))
         bf16_weights = copies(partial(random_dense, num_n, num_k, dtype), num_n * num_k * 2)
+        tiny_weights = []
+        if args.tinygemm:
+            tiny_sample = random_tinygemm(num_n, num_k, dtype, gen)
+            tiny_weights = copies(
+                partial(random_tinygemm, num_n, num_k, dtype, gen, keep_q=False),
+                int4_bytes(tiny_sample) - tiny_sample["q"].numel(),
+            )
         for rows in args.rows or ROWS:
             x = torch.randn(rows, num_k, device="cuda", dtype=dtype)
             shape = W4a16Shape(device_name(device), num_n, num_k, GROUP_SIZE, dtype_name(dtype))
@@ -185,6 +224,17 @@ def main() -> int:
                 lambda w, x=x: w4a16(x, **w, backend=CUBLAS), int4_weights, calls=8
             )
             bf16_us = time_calls(lambda w, x=x: F.linear(x, w), bf16_weights)
+            extra = {}
+            if args.tinygemm:
+                tiny_error = relative_error(tinygemm(x, tiny_sample), tinygemm_ref(x, tiny_sample))
+                if tiny_error > 1e-2:
+                    raise AssertionError(
+                        f"tinygemm {name} rows={rows}: relative error {tiny_error}"
+                    )
+                extra = dict(
+                    tinygemm_us=round(time_calls(lambda w, x=x: tinygemm(x, w), tiny_weights), 2),
+                    tinygemm_rel_error=round(tiny_error, 5),
+                )
             int4_read = int4_bytes(int4_weights[0])
             flops = 2 * rows * num_n * num_k
             rec.record(
@@ -211,8 +261,9 @@ def main() -> int:
                 int4_TFLOPs=round(flops / int4_us / 1e6, 1),
                 bf16_TFLOPs=round(flops / bf16_us / 1e6, 1),
                 rel_error=round(error, 5),
+                **extra,
             )
-        del int4_weights, bf16_weights
+        del int4_weights, bf16_weights, tiny_weights
         torch.cuda.empty_cache()
     return 0
 
