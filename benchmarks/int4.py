@@ -139,6 +139,7 @@ def run_variant(variant: str, smoke: bool) -> dict:
     single = timed(lambda s: ([ids(random.Random(s), 32, vocab)], params))
     result = dict(
         variant=variant,
+        num_requests=num_requests,
         init_s=init_s,
         w1_runs=[round(n / dt, 1) for dt, n in batch],
         w3_runs=[round(dt / n * 1e3, 3) for dt, n in single],
@@ -157,10 +158,11 @@ def record(recorder: Recorder, results: dict[str, dict], smoke: bool) -> None:
     common = dict(model="Llama-3.1-8B shape" + (" (smoke)" if smoke else ""), dtype="bfloat16",
                   load_format="dummy")  # fmt: skip
     bf16 = results.get("bf16")
+    label = f"gptq 4-bit g{gptq_config(smoke)['group_size']} sym"
     for variant, r in results.items():
         suffix = "" if variant == "bf16" else "-int4"
         system = "batchlm" if variant == "bf16" else "batchlm-int4"
-        extra = dict(quantization="gptq 4-bit g128 sym" if variant == "int4" else None,
+        extra = dict(quantization=label if variant == "int4" else None,
                      init_s=r["init_s"], weights_read_gib=r["weights_read_gib"],
                      weights_floor_ms=r["weights_floor_ms"], num_kv_blocks=r["num_kv_blocks"],
                      memory_allocated_gib=r["memory_allocated_gib"], **common)  # fmt: skip
@@ -170,7 +172,7 @@ def record(recorder: Recorder, results: dict[str, dict], smoke: bool) -> None:
             b1 = max(bf16["w1_runs"])
             base = dict(baseline="bf16, same run", baseline_value=b1, ratio=round(w1 / b1, 3))
         recorder.record(workload=f"W1{suffix}", system=system, metric="output_tok_per_s",
-                        value=w1, runs=r["w1_runs"], num_requests=256, prompt_len=512,
+                        value=w1, runs=r["w1_runs"], num_requests=r["num_requests"], prompt_len=512,
                         output_len=256, **base, **extra)  # fmt: skip
         base = {}
         if bf16 is not None and variant != "bf16":
