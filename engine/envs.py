@@ -68,6 +68,13 @@ def programmatic_launch() -> bool:
     return _switch("BATCHLM_PDL", True)
 
 
+def fused_qkv_rotary() -> bool:
+    """BATCHLM_FUSED_QKV_ROTARY: `0` runs a one-token step's q|k|v product and its rotary
+    embedding + cache write as two kernels instead of one (`gpu_kernels/gemv_rotary.py`;
+    default on)."""
+    return _switch("BATCHLM_FUSED_QKV_ROTARY", True)
+
+
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

@@ -4,6 +4,8 @@ by side: one engine per variant, each built after its variant is set, three time
 Variants:
   tp1                  tensor_parallel_size=1, the engine as it is
   tp1-plain-argmax     ... with torch.argmax for greedy rows instead of sampler.row_argmax
+  tp1-unfused-qkv-rotary  ... with BATCHLM_FUSED_QKV_ROTARY=0 (the q|k|v product, then the
+                       rotary + cache write kernel)
   tp2                  tensor_parallel_size=2 (2 GPUs)
   tp2-fused-norm       ... with BATCHLM_FUSED_ALL_REDUCE_NORM=1 (the ranks inherit it)
   tp2-plain-argmax     ... with torch.argmax (rank 0 samples, so the replacement covers it)
@@ -44,6 +46,7 @@ SHAPES = {"8b": g.LLAMA_8B, "rank-share": g.LLAMA_8B_RANK_SHARE}
 VARIANTS = {
     "tp1": (1, {}, False, "8b"),
     "tp1-plain-argmax": (1, {}, True, "8b"),
+    "tp1-unfused-qkv-rotary": (1, {"BATCHLM_FUSED_QKV_ROTARY": "0"}, False, "8b"),
     "tp2": (2, {}, False, "8b"),
     "tp2-fused-norm": (2, {"BATCHLM_FUSED_ALL_REDUCE_NORM": "1"}, False, "8b"),
     "tp2-plain-argmax": (2, {}, True, "8b"),

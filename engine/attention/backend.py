@@ -103,3 +103,19 @@ class AttentionBackend(ABC):
         then takes `key=None, value=None`). None (the default) when it has not: rotate,
         then call `forward` with the keys and values."""
         return None
+
+    def project_rotate_into_cache(
+        self,
+        hidden_states: torch.Tensor,  # [1, hidden_size]
+        weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
+        bias: torch.Tensor | None,
+        num_heads: int,
+        positions: torch.Tensor,  # [1]
+        cos_sin: torch.Tensor,  # [2, max_position, rotary_dim] float32
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """For one token: the q|k|v projection, then `rotate_into_cache`, in one pass where
+        the backend has one (the rotated queries, `[1, num_heads, head_dim]`). None (the
+        default) when it has not: project, then `rotate_into_cache`."""
+        return None

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from batchlm.kernels import use_triton_kernels
 from batchlm.kernels.decode_attention import decode_attention
+from batchlm.kernels.gemv_rotary import gemv_rotary_into_cache
 from batchlm.kernels.prefill_attention import (
     FIXED_SPLIT_SIZE,
     batch_invariant_tile,
@@ -37,6 +39,7 @@ from batchlm.kernels.prefill_attention import (
 from batchlm.kernels.rotary import rotary_embedding_into_cache
 from batchlm.kernels.write_kv_cache import write_kv_cache
 
+from .. import envs
 from .backend import AttentionBackend, AttentionMetadata
 
 
@@ -55,6 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
+        self.fused_qkv_rotary = envs.fused_qkv_rotary() and not batch_invariant
+        """One-token steps project q|k|v, rotate and write the cache in one kernel."""
 
     def rotate_into_cache(
         self,
@@ -74,6 +79,38 @@ class TritonAttentionBackend(AttentionBackend):
             return None  # no cache (pooling), an fp8 cache, or partial rotary
         return rotary_embedding_into_cache(
             positions, query, key, value, cos_sin, kv_cache[0], kv_cache[1], metadata.slot_mapping
+        )
+
+    def project_rotate_into_cache(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_heads: int,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        if (
+            not self.fused_qkv_rotary
+            or kv_cache is None
+            or not use_triton_kernels(hidden_states)  # CPU steps: the torch product
+            or hidden_states.dtype not in (torch.float16, torch.bfloat16)
+            or kv_cache.dtype != hidden_states.dtype
+            or cos_sin.shape[-1] != kv_cache.shape[-1]
+        ):
+            return None  # a CPU or fp32 step, no cache (pooling), an fp8 cache, partial rotary
+        return gemv_rotary_into_cache(
+            hidden_states,
+            weight,
+            bias,
+            positions,
+            cos_sin,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.slot_mapping,
+            num_heads,
         )
 
     def prepare(self, metadata: AttentionMetadata) -> None:

@@ -106,6 +106,12 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if not self.qk_norm:
+            rotated = self.attn.project_rotate_into_cache(
+                self.qkv_proj, self.rotary, positions, hidden_states, kv_cache, metadata
+            )
+            if rotated is not None:
+                return self.o_proj(self.attn(rotated, None, None, kv_cache, metadata))
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]

@@ -240,3 +240,32 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(
     monkeypatch.setenv("BATCHLM_ATTENTION_BACKEND", "flash")
     with pytest.raises(InvalidParamError, match="attention_backend='flash' is unknown"):
         LLM(path, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "mistral-window", "phi3"])
+def test_fused_qkv_rotary_gives_the_two_kernels_bits_gpu(arch, tiny_model_factory, monkeypatch):
+    """Batch-1 decode steps (CUDA graphs, bf16) with the q|k|v product, rotary and cache write
+    in one kernel give the tokens and logprobs of the two kernels, to the bit."""
+    from batchlm.engine.attention import triton_backend
+
+    calls = []
+    fused = triton_backend.gemv_rotary_into_cache
+    monkeypatch.setattr(
+        triton_backend, "gemv_rotary_into_cache", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    prompt = {"prompt_token_ids": [5, 17, 300, 42, 7, 1000, 23]}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("BATCHLM_FUSED_QKV_ROTARY", switch)
+        calls.clear()
+        llm = LLM(str(tiny_model_factory(arch)), dtype="bfloat16", max_model_len=128, seed=0)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        runs[switch] = (
+            out.token_ids,
+            [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs],
+        )
+        assert bool(calls) == (switch == "1")
+        del llm
+    assert runs["1"] == runs["0"]

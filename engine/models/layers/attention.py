@@ -76,3 +76,35 @@ class Attention(nn.Module):
         return self.backend.rotate_into_cache(
             positions, query, key, value, cos_sin, kv_cache, metadata
         )
+
+    def project_rotate_into_cache(
+        self,
+        qkv_proj: nn.Module,
+        rotary: nn.Module,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A one-token step's `qkv_proj`, then `rotate_into_cache`, in one pass where the
+        backend can (the rotated queries; then call `forward` with no key and value), else
+        None. Only a plain projection qualifies: no quantization, LoRA or batch-invariant
+        product, since the backend multiplies by its weight itself."""
+        if (
+            hidden_states.shape[0] != 1
+            or positions.dim() != 1
+            or getattr(qkv_proj, "quant_method", None) is not None
+            or getattr(qkv_proj, "lora", None) is not None
+            or getattr(qkv_proj, "batch_invariant", False)
+        ):
+            return None
+        return self.backend.project_rotate_into_cache(
+            hidden_states,
+            qkv_proj.weight,
+            qkv_proj.bias,
+            self.num_heads,
+            positions,
+            rotary.cos_sin.float(),
+            kv_cache,
+            metadata,
+        )
