@@ -29,6 +29,7 @@ from .launch import (
     check_tensor,
 )
 from .pdl import launch_options, wait_for_previous_kernel
+from .rotary import rotate_pair
 
 __all__ = ["gemv_rotary_into_cache", "gemv_rotary_into_cache_ref"]
 
@@ -100,7 +101,7 @@ def _gemv_rotary_kernel(
         pos = tl.load(positions_ptr).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * stride_cp + offs_c)
         sin = tl.load(cos_sin_ptr + stride_cs + pos * stride_cp + offs_c)
-        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        x1, x2 = rotate_pair(x1, x2, cos, sin)
     if head < NUM_HEADS:
         dst = query_out_ptr + head * HEAD_DIM + offs_c
         tl.store(dst, x1.to(out_ty))

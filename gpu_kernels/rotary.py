@@ -54,6 +54,15 @@ def _token_cos_sin(
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """Channel pairs `(x1, x2)` rotated in float32 as every kernel here rotates them: each
+    cross product rounded once, then one fused multiply-add, so that two kernels rotating
+    the same values give the same bits (a compiler left to contract `x1 * cos - x2 * sin`
+    on its own may fuse either product)."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr,  # this token's [num_heads, head_dim] rows
     dst_ptr,
@@ -74,8 +83,9 @@ def _rotate_heads(
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + offs_h * stride_dh + offs_c
     out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    y1, y2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(dst, y1.to(out_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(out_ty), mask=mask)
 
 
 @triton.jit

@@ -243,7 +243,7 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "mistral-window", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "mistral-window"])
 def test_fused_qkv_rotary_gives_the_two_kernels_bits_gpu(arch, tiny_model_factory, monkeypatch):
     """Batch-1 decode steps (CUDA graphs, bf16) with the q|k|v product, rotary and cache write
     in one kernel give the tokens and logprobs of the two kernels, to the bit."""
