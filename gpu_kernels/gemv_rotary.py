@@ -31,7 +31,7 @@ from .launch import (
 from .pdl import launch_options, wait_for_previous_kernel
 from .rotary import rotate_pair
 
-__all__ = ["gemv_rotary_into_cache", "gemv_rotary_into_cache_ref"]
+__all__ = ["gemv_rotary_into_cache", "gemv_rotary_into_cache_ref", "split_heads"]
 
 
 @triton.jit
@@ -234,17 +234,22 @@ def gemv_rotary_into_cache_ref(
     from .gemv import gemv_ref
     from .rotary import rotary_embedding_into_cache_ref
 
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    qkv = gemv_ref(x, weight, bias)
+    q, k, v = split_heads(gemv_ref(x, weight, bias), num_heads, *key_cache.shape[2:])
+    return rotary_embedding_into_cache_ref(
+        positions, q, k, v, cos_sin, key_cache, value_cache, slot_mapping
+    )
+
+
+def split_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A `[num_tokens, rows]` q|k|v product as `[num_tokens, heads, head_dim]` views of its
+    query, key and value heads."""
     kv_width = num_kv_heads * head_dim
     q, k, v = qkv.split([num_heads * head_dim, kv_width, kv_width], dim=-1)
-    return rotary_embedding_into_cache_ref(
-        positions,
-        q.view(1, num_heads, head_dim),
-        k.view(1, num_kv_heads, head_dim),
-        v.view(1, num_kv_heads, head_dim),
-        cos_sin,
-        key_cache,
-        value_cache,
-        slot_mapping,
+    num_tokens = qkv.shape[0]
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
     )

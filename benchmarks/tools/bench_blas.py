@@ -30,14 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import COPIES_BYTES, time_calls  # noqa: E402
+from bench_gemv import SHAPES as GEMV_SHAPES  # noqa: E402
 
-SHAPES = {  # name: (N, K)
-    "qkv_proj": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up_proj": (28672, 4096),
-    "down_proj": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+SHAPES = {name: nk for name, nk in GEMV_SHAPES.items() if not name.endswith("_tp2")}
 
 
 def _linear(x, w):

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from batchlm.kernels.gemv import gemv
-from batchlm.kernels.gemv_rotary import gemv_rotary_into_cache, gemv_rotary_into_cache_ref
+from batchlm.kernels.gemv_rotary import (
+    gemv_rotary_into_cache,
+    gemv_rotary_into_cache_ref,
+    split_heads,
+)
 from batchlm.kernels.rotary import rotary_embedding_into_cache
 
 from .helpers import gpu_only
@@ -33,19 +37,8 @@ def _case(heads, kv_heads, head_dim, hidden, dtype, device, *, bias=False, seed=
 
 
 def _two_kernels(x, w, b, positions, cos_sin, cache, slots, heads, launch):
-    kv_heads, head_dim = cache.shape[3], cache.shape[4]
-    qkv = gemv(x, w, b, **launch)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    return rotary_embedding_into_cache(
-        positions,
-        q.view(1, heads, head_dim),
-        k.view(1, kv_heads, head_dim),
-        v.view(1, kv_heads, head_dim),
-        cos_sin,
-        cache[0],
-        cache[1],
-        slots,
-    )
+    q, k, v = split_heads(gemv(x, w, b, **launch), heads, *cache.shape[3:])
+    return rotary_embedding_into_cache(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
 
 
 @pytest.mark.parametrize(
