@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import _load_x_tile, choose_gemv_launch
+from .gemv import _load_weight_tile, _load_x_tile, choose_gemv_launch
 from .launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -67,6 +67,7 @@ def _gemv_rotary_kernel(
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
+    N: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     pid = tl.program_id(0)
     head = pid // (HALF // PAIRS)  # over the query, then key, then value heads
     c0 = (pid % (HALF // PAIRS)) * PAIRS
@@ -76,19 +77,14 @@ def _gemv_rotary_kernel(
     offs_n = head * HEAD_DIM + c0 + offs_j // 2 + (offs_j % 2) * HALF
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    # The weights are no kernel's output: the first tile streams in before the wait.
-    if EVEN_K:
-        w = tl.load(rows + offs_k[None, :])
-    else:
-        w = tl.load(rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    # The weights are no kernel's output: the first tile streams in before the wait. Every
+    # row exists (the grid covers whole heads): EVEN_N.
+    w = _load_weight_tile(rows, offs_k, offs_n, N, K, True, EVEN_K)
     wait_for_previous_kernel(PDL)
     acc = w.to(tl.float32) * _load_x_tile(x_ptr, offs_k, K, EVEN_K).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(rows + ks[None, :])
-        else:
-            w = tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        w = _load_weight_tile(rows, ks, offs_n, N, K, True, EVEN_K)
         acc += w.to(tl.float32) * _load_x_tile(x_ptr, ks, K, EVEN_K).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:

@@ -35,18 +35,14 @@ from bench_gemv import SHAPES as GEMV_SHAPES  # noqa: E402
 SHAPES = {name: nk for name, nk in GEMV_SHAPES.items() if not name.endswith("_tp2")}
 
 
-def _linear(x, w):
-    return F.linear(x, w)
-
-
 def _weight_first(x, w):
     return torch.mm(w, x.t()).t()
 
 
 def _variants():
     backend = torch.backends.cuda.preferred_blas_library()
-    yield "linear", _linear, backend
-    yield "linear_lt", _linear, "cublaslt"
+    yield "linear", F.linear, backend
+    yield "linear_lt", F.linear, "cublaslt"
     yield "weight_first", _weight_first, backend
     yield "weight_first_lt", _weight_first, "cublaslt"
 

@@ -49,6 +49,14 @@ class _TritonPlan:
     """Every sequence has exactly one query token this step."""
 
 
+def _rotates_into(kv_cache: torch.Tensor | None, dtype: torch.dtype, cos_sin: torch.Tensor) -> bool:
+    """Whether the rotary kernels can write a step's keys into `kv_cache`: there is one (not
+    a pooling forward), in the activations' dtype (not fp8), and the whole head rotates."""
+    return (
+        kv_cache is not None and kv_cache.dtype == dtype and cos_sin.shape[-1] == kv_cache.shape[-1]
+    )
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Args:
     batch_invariant: Run every step on the prefill kernel, its keys split at fixed
@@ -71,12 +79,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> torch.Tensor | None:
-        if (
-            kv_cache is None
-            or kv_cache.dtype != query.dtype
-            or cos_sin.shape[-1] != query.shape[-1]
-        ):
-            return None  # no cache (pooling), an fp8 cache, or partial rotary
+        if not _rotates_into(kv_cache, query.dtype, cos_sin):
+            return None
         return rotary_embedding_into_cache(
             positions, query, key, value, cos_sin, kv_cache[0], kv_cache[1], metadata.slot_mapping
         )
@@ -94,13 +98,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor | None:
         if (
             not self.fused_qkv_rotary
-            or kv_cache is None
             or not use_triton_kernels(hidden_states)  # CPU steps: the torch product
             or hidden_states.dtype not in (torch.float16, torch.bfloat16)
-            or kv_cache.dtype != hidden_states.dtype
-            or cos_sin.shape[-1] != kv_cache.shape[-1]
+            or not _rotates_into(kv_cache, hidden_states.dtype, cos_sin)
         ):
-            return None  # a CPU or fp32 step, no cache (pooling), an fp8 cache, partial rotary
+            return None
         return gemv_rotary_into_cache(
             hidden_states,
             weight,
