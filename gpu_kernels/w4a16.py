@@ -22,7 +22,10 @@ exponent bits (an integer OR, not a conversion instruction), subtracts `2**23 + 
 weight tile in the activation dtype). Programs walk their tiles in groups of `GROUP_M` row
 tiles per column band, so weight tiles stay in L2 while the rows that need them run.
 `BLOCK_M` 1 is the matrix-vector form of a batch-1 decode step, a kernel of its own
-(`w4a16_gemv.py`: the scale and zero applied per group after the products).
+(`w4a16_gemv.py`: the scale and zero applied per group after the products). Where it runs
+(CUDA, sm_80 and newer, not under the interpreter), a call of 1-8 rows without launch
+overrides or `g_idx` goes to the mma.sync form instead (`w4a16_mma.py`), which multiplies
+on the tensor cores with the weight in registers.
 
 With `SWAP_AB` (the launch's `swap_ab`) the same steps multiply the other way round: the
 weight tile transposed, `[BLOCK_N, BLOCK_K]`, is the dot's first operand and the
@@ -67,6 +70,7 @@ from .pdl import launch_options, wait_for_previous_kernel
 from .split_k import store_split_k
 from .w4a16_gemv import launch_w4a16_gemv
 from .w4a16_launch import CUBLAS, W4a16Launch, W4a16Shape, W4a16Table, choose_w4a16_launch
+from .w4a16_mma import launch_w4a16_mma, mma_launch
 
 __all__ = [
     "PACK",
@@ -388,11 +392,26 @@ def w4a16(
         if t is not None:
             tensors[name] = t
     device = check_same_device(_w4a16_kernel, **tensors)
-    shape = W4a16Shape(device_name(device), num_n, num_k, group_size, dtype_name(x.dtype))
-    cfg = choose_w4a16_launch(num_m, shape, num_sms(device), table, **launch)
     y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
     if num_m == 0 or num_n == 0:
         return y
+    mma = None
+    if not any(v is not None for v in launch.values()) and g_idx is None:
+        mma = mma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
+    if mma is not None:
+        if locks is None or locks.numel() < cdiv(num_n, mma.block_n):
+            mma = mma._replace(split_k=1)
+        parts = y
+        if mma.split_k > 1:
+            check_tensor("locks", locks, ndim=1, dtypes=(torch.int32,))
+            parts = torch.empty((mma.split_k, num_m, num_n), dtype=torch.float32, device=device)
+        launch_w4a16_mma(
+            x, qweight, scales, zeros, perm, y, parts, locks, group_size=group_size,
+            launch=mma, pdl=launch_options(_w4a16_kernel, device)["PDL"],
+        )  # fmt: skip
+        return y
+    shape = W4a16Shape(device_name(device), num_n, num_k, group_size, dtype_name(x.dtype))
+    cfg = choose_w4a16_launch(num_m, shape, num_sms(device), table, **launch)
     if cfg.backend == CUBLAS:
         weight = dequantize_int4(qweight, scales, zeros, group_size, perm, g_idx, x.dtype)
         return torch.mm(x, weight, out=y)

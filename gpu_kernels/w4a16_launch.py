@@ -59,6 +59,10 @@ DEFAULT_TABLE_PATH = Path(__file__).parent / "configs" / "w4a16.json"
 CUBLAS = "cublas"
 """The table's word for the dequantize + cuBLAS path."""
 
+MMA = "mma"
+"""The backend of the decode-sized mma.sync form (`w4a16_mma.py`), which `w4a16` chooses
+by itself for up to 8 rows where it runs; not a table entry."""
+
 SWAP_AB = "swap_ab"
 """The table's word, after a launch's six numbers, for the weight-first `tl.dot` form."""
 
@@ -82,7 +86,8 @@ class W4a16Launch(NamedTuple):
     next step's weights while it computes a step when this is 2 or more, else each step's
     when it starts."""
     backend: str = "triton"
-    """`triton`, or `cublas` (dequantize, then cuBLAS; the block fields are then unused)."""
+    """`triton`, `cublas` (dequantize, then cuBLAS; the block fields are then unused), or
+    `mma` (`w4a16_mma.py`; chosen by `w4a16`, never by the table)."""
     swap_ab: bool = False
     """The `tl.dot` form with the operands swapped: the dequantized weight tile
     `[block_n, block_k]` first, the activations transposed `[block_k, block_m]` second,

@@ -93,7 +93,10 @@ def compile_launch(launch: _Launch, **option_overrides: Any) -> Any:
             constexprs[param.name] = spec
         elif isinstance(spec, str):
             attrs[(i,)] = backend.parse_attr(spec)
-    source = ASTSource(fn, signature, constexprs, attrs)
+    source_type = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # Gluon sets the module's layout context
+        from triton.experimental.gluon._runtime import GluonASTSource as source_type
+    source = source_type(fn, signature, constexprs, attrs)
     return triton.compile(source, target=target, options=options)
 
 
@@ -123,6 +126,7 @@ def record_all_launches() -> list[_Launch]:
         rotary,
         w4a16,
         w4a16_gemv,
+        w4a16_mma,
         write_kv_cache,
     )
 
@@ -243,6 +247,34 @@ def record_all_launches() -> list[_Launch]:
                 **launch,
             )
     launches += got + rows
+    with recording(w4a16_mma, "_w4a16_mma_kernel") as got:
+        # The mma.sync form (`w4a16` takes it for 1-8 rows on the device; called here
+        # directly, as the CPU has no device for it to choose): W3-int4's gate|up, zero
+        # points with activation order in float16, groups of 64 and one group per channel.
+        from batchlm.kernels.w4a16_launch import MMA, W4a16Launch
+
+        cases = [  # rows, n, k, group, dtype, zeros, perm, block_k, split_k
+            (1, 28672, 4096, 128, bf16, False, False, 128, 2),
+            (5, 4096, 14336, 32, f16, True, True, 32, 16),
+            (8, 6144, 4096, 64, bf16, True, False, 64, 1),
+            (1, 4096, 4096, 4096, bf16, False, True, 128, 8),
+        ]
+        for rows_, n, k, group, dtype, zeros, perm, block_k, split_k in cases:
+            groups = k // group
+            w4a16_mma.launch_w4a16_mma(
+                torch.zeros(rows_, k, dtype=dtype),
+                torch.zeros(k // 8, n, dtype=torch.int32),
+                torch.zeros(groups, n, dtype=dtype),
+                torch.zeros(groups, n, dtype=torch.uint8) if zeros else None,
+                torch.zeros(k, dtype=torch.int32) if perm else None,
+                torch.zeros(rows_, n, dtype=dtype),
+                torch.zeros(split_k, rows_, n),
+                w4a16.new_split_k_locks(torch.device("cpu")),
+                group_size=group,
+                launch=W4a16Launch(8, 128, block_k, split_k, 4, 1, MMA),
+                pdl=False,
+            )
+    launches += got
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
         quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
     launches += got
@@ -299,6 +331,10 @@ def record_all_launches() -> list[_Launch]:
     return launches
 
 
+# The mma.sync W4A16 form keeps its operands in registers: at most the split-K counter's
+# broadcast in shared memory.
+MMA_MAX_SHARED_BYTES = 16
+
 # Kernels whose main loop must be software-pipelined on sm_90 (`cp.async` loads, one shared
 # memory buffer per stage): at decode sizes they are bound by streaming the expert weights.
 PIPELINED_KERNELS = ("_moe_gate_up_kernel", "_moe_down_kernel")
@@ -348,6 +384,12 @@ def main() -> int:
             waits = ptx.count("griddepcontrol.wait")
             if bool(waits) != launch.kwargs["PDL"]:
                 print(f"{name} {constexprs}: {waits} griddepcontrol.wait", file=sys.stderr)
+                return 1
+            if name == "_w4a16_mma_kernel" and (
+                "mma.sync.aligned.m16n8k16" not in ptx or shared > MMA_MAX_SHARED_BYTES
+            ):
+                print(f"{name} {constexprs}: no mma.sync, or the weight staged in "
+                      f"{shared} bytes of shared memory", file=sys.stderr)  # fmt: skip
                 return 1
             if needs_wgmma(launch) and "wgmma.mma_async" not in ptx:
                 print(f"{name} {constexprs}: no wgmma", file=sys.stderr)
