@@ -76,44 +76,26 @@ _MAX_SPLIT = 16
 _ENV_SWITCH = "BATCHLM_W4A16_MMA"
 
 
+def _dequantize_asm(magic: int, one: int, offset: int, fma: str) -> str:
+    """PTX for one word to 4 registers of 2 halves: register p holds nibbles p and p + 4,
+    each `magic | q` (the half `base + q`, exact) times `one` plus `offset` (-(base + 8))."""
+    lines = [".reg .b32 t, one, off;", f"mov.b32 one, {one:#x};", f"mov.b32 off, {offset:#x};"]
+    for p in range(4):
+        word = "$4"
+        if p:
+            lines.append(f"shr.u32 t, $4, {4 * p};")
+            word = "t"
+        lines.append(f"lop3.b32 ${p}, {word}, 0x000F000F, {magic:#x}, 0xEA;")
+    lines += [f"{fma} ${p}, ${p}, one, off;" for p in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 if gluon is not None:
-    # Word to 4 registers of 2 halves: register p holds nibbles p and p + 4, minus 8.
-    _DEQUANT_BF16 = gl.constexpr("""
-    {
-    .reg .b32 t, one, off;
-    mov.b32 one, 0x3F803F80;
-    mov.b32 off, 0xC308C308;
-    lop3.b32 $0, $4, 0x000F000F, 0x43004300, 0xEA;
-    shr.u32 t, $4, 4;
-    lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
-    shr.u32 t, $4, 8;
-    lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
-    shr.u32 t, $4, 12;
-    lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xEA;
-    fma.rn.bf16x2 $0, $0, one, off;
-    fma.rn.bf16x2 $1, $1, one, off;
-    fma.rn.bf16x2 $2, $2, one, off;
-    fma.rn.bf16x2 $3, $3, one, off;
-    }
-    """)
-    _DEQUANT_F16 = gl.constexpr("""
-    {
-    .reg .b32 t, one, off;
-    mov.b32 one, 0x3C003C00;
-    mov.b32 off, 0xE408E408;
-    lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
-    shr.u32 t, $4, 4;
-    lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;
-    shr.u32 t, $4, 8;
-    lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
-    shr.u32 t, $4, 12;
-    lop3.b32 $3, t, 0x000F000F, 0x64006400, 0xEA;
-    fma.rn.f16x2 $0, $0, one, off;
-    fma.rn.f16x2 $1, $1, one, off;
-    fma.rn.f16x2 $2, $2, one, off;
-    fma.rn.f16x2 $3, $3, one, off;
-    }
-    """)
+    # bfloat16: 0x4300 is 128, 0xC308 is -136; float16: 0x6400 is 1024, 0xE408 is -1032.
+    _DEQUANT_BF16 = gl.constexpr(
+        _dequantize_asm(0x43004300, 0x3F803F80, 0xC308C308, "fma.rn.bf16x2")
+    )
+    _DEQUANT_F16 = gl.constexpr(_dequantize_asm(0x64006400, 0x3C003C00, 0xE408E408, "fma.rn.f16x2"))
 
     @gluon.jit
     def _gdc_wait():
@@ -389,19 +371,10 @@ def launch_w4a16_mma(
     launch: W4a16Launch,
     pdl: bool,
 ) -> None:
-    """Run the form into `out` for operands `w4a16` has checked and a launch from
-    `mma_launch` (`block_n` 128 dividing N, `block_k` dividing the group and K / split_k).
-
-    Args:
-        x: `[M, K]` activations, M <= 8, bfloat16 or float16.
-        qweight, scales, zeros, perm: the weight, as `w4a16` takes it (no `g_idx`).
-        out: `[M, N]` output, x's dtype.
-        parts: `[split_k, M, N]` float32 workspace when `split_k > 1` (else any tensor).
-        locks: split-K counters, at least `N / 128`, when `split_k > 1`.
-        group_size: Input features per group.
-        launch: The launch.
-        pdl: Launch with programmatic dependent launch (`pdl.launch_options`).
-    """
+    """Run the form into `out` for operands `w4a16` has checked (x of at most 8 rows in
+    bfloat16 or float16, no `g_idx`) and a launch from `mma_launch` (`block_n` 128 dividing
+    N, `block_k` dividing the group and K / split_k); `parts`, `locks` and the rest as
+    `launch_w4a16_gemv` takes them, `pdl` from `pdl.launch_options`."""
     num_m, num_k = x.shape
     num_n = qweight.shape[1]
     kt2 = launch.block_k // 32
