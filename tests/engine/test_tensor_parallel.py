@@ -286,6 +286,17 @@ def test_a_rank_that_exits_before_its_first_message_is_named():
     parent.close()
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, as a program started from a terminal has
+    it: a library that ran earlier in this process may have left its own (PySpark's
+    SparkContext installs one that cancels its jobs), and the engine defers Ctrl-C only
+    under the default one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_at_launch(llm: LLM, presses: int, at_call: int = 3) -> None:
     """Ctrl-C as a terminal sends it (SIGINT to this process and to the workers, here
     `presses` times) while rank 0 launches its `at_call`-th step: after the other ranks got
@@ -305,7 +316,7 @@ def interrupt_at_launch(llm: LLM, presses: int, at_call: int = 3) -> None:
     runner.launch_model = launch_model
 
 
-def test_ctrl_c_during_a_step_leaves_every_rank_usable(llama_tp2):
+def test_ctrl_c_during_a_step_leaves_every_rank_usable(llama_tp2, default_sigint):
     """The interrupt is raised once the step is launched on every rank: the generate call
     stops, and the same LLM then gives the tokens of one rank (as an LLM of one rank does
     after Ctrl-C)."""
@@ -323,7 +334,7 @@ def test_ctrl_c_during_a_step_leaves_every_rank_usable(llama_tp2):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_second_ctrl_c_stops_at_once(tiny_model_factory):
+def test_a_second_ctrl_c_stops_at_once(tiny_model_factory, default_sigint):
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=128, tensor_parallel_size=2, **SHARE)
     pids = llm.llm_engine.executor.worker_pids
     interrupt_at_launch(llm, presses=2)
