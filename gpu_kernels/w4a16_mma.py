@@ -146,15 +146,23 @@ if gluon is not None:
         return acc + part * gl.expand_dims(scale, 1)
 
     @gluon.jit
-    def _load_step(
-        w_ptrs, x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start, stride_sg,
-        stride_zg, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_PERM: gl.constexpr,
+    def _output_of_row(v, n0, W: gl.constexpr, NTW: gl.constexpr):
+        """The output that operand row `v = 16 (nt W + w) + 8h + g` stands for:
+        `n0 + 16 NTW w + 2 NTW g + 2 nt + h`."""
+        return (
+            n0 + ((v // 16) % W) * (16 * NTW) + (v % 8) * (2 * NTW) + (v // (16 * W)) * 2
+            + (v // 8) % 2
+        )  # fmt: skip
+
+    @gluon.jit
+    def _load_activations(
+        x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start, stride_sg, stride_zg,
+        GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_PERM: gl.constexpr,
         dtype: gl.constexpr,
     ):  # fmt: skip
-        """What the step `k0` features into the program's share reads: words, activations,
-        the group's scales as float32 and `8 - zero` per operand row in the activation
-        dtype."""
-        words = gl.load(w_ptrs)
+        """What the step `k0` features into the program's share reads besides its words:
+        activations, the group's scales as float32 and `8 - zero` per operand row in the
+        activation dtype."""
         if HAS_PERM:
             x = gl.load(x_rows + gl.load(perm_ptrs + k0), mask=x_mask, other=0.0)
         else:
@@ -165,7 +173,7 @@ if gluon is not None:
         if HAS_ZEROS:
             zero = gl.load(z_ptrs + group * stride_zg).to(gl.float32)
             zero_rows = (8.0 - zero).to(dtype)
-        return words, x, scale, zero_rows
+        return x, scale, zero_rows
 
     @gluon.jit
     def _w4a16_mma_kernel(
@@ -243,42 +251,39 @@ if gluon is not None:
         perm_ptrs = perm_ptr + feats
         x_mask = m_rows < M
 
-        # Operand row v is output n0 + 16 NTW w + 2 NTW g + 2 nt + h, v = 16 (nt W + w) + 8h + g.
-        v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        n_of_v = (
-            n0 + ((v // 16) % W) * (16 * NTW) + (v % 8) * (2 * NTW) + (v // (16 * W)) * 2
-            + (v // 8) % 2
-        )  # fmt: skip
+        # Each operand row's output, in the accumulator's layout (scales, stores) and in the
+        # first operand's (the rows `8 - zero` of the zero points' product).
+        n_of_v = _output_of_row(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), n0, W, NTW)
         s_ptrs = s_ptr + n_of_v
         z_ptrs = s_ptrs
         if HAS_ZEROS:
-            va = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
-            z_ptrs = (
-                z_ptr + n0 + ((va // 16) % W) * (16 * NTW) + (va % 8) * (2 * NTW)
-                + (va // (16 * W)) * 2 + (va // 8) % 2
-            )  # fmt: skip
+            rows_a = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+            z_ptrs = z_ptr + _output_of_row(rows_a, n0, W, NTW)
 
-        # The first step's words before the wait under PDL (weights are no kernel's output).
+        # The first step's words before the wait under PDL (weights are no kernel's output),
+        # then each step's reads while the step before is computed.
         words = gl.load(w_ptrs)
         if PDL:
             _gdc_wait()
             _gdc_launch_dependents()
-        _, x, scale, zero_rows = _load_step(
-            w_ptrs, x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, 0, k_start, stride_sg,
+        x, scale, zero_rows = _load_activations(
+            x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, 0, k_start, stride_sg,
             stride_zg, GROUP_SIZE, HAS_ZEROS, HAS_PERM, dtype,
         )  # fmt: skip
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
         for k0 in range(BLOCK_K, k_len, BLOCK_K):
             w_ptrs += (BLOCK_K // 8) * stride_qk
-            ahead = _load_step(
-                w_ptrs, x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start,
-                stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS, HAS_PERM, dtype,
+            words_ahead = gl.load(w_ptrs)
+            ahead = _load_activations(
+                x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start, stride_sg,
+                stride_zg, GROUP_SIZE, HAS_ZEROS, HAS_PERM, dtype,
             )  # fmt: skip
             acc = _step(
                 acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
                 HAS_ZEROS, p6, a_layout, b_layout, mma,
             )  # fmt: skip
-            words, x, scale, zero_rows = ahead
+            words = words_ahead
+            x, scale, zero_rows = ahead
         acc = _step(
             acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
             HAS_ZEROS, p6, a_layout, b_layout, mma,
