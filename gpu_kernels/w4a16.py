@@ -326,6 +326,15 @@ def _check_operands(
     return num_m, num_n, num_k
 
 
+def _split_k_parts(split_k: int, locks: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """The float32 workspace `[split_k, M, N]` of a split-K call into `y` (its locks
+    checked), or `y` itself (unused by the kernels) without a split."""
+    if split_k == 1:
+        return y
+    check_tensor("locks", locks, ndim=1, dtypes=(torch.int32,))
+    return torch.empty((split_k, *y.shape), dtype=torch.float32, device=y.device)
+
+
 def fit_launch(
     launch: W4a16Launch, num_k: int, group_size: int, has_g_idx: bool, num_tiles: int
 ) -> W4a16Launch:
@@ -401,10 +410,7 @@ def w4a16(
     if mma is not None:
         if locks is None or locks.numel() < cdiv(num_n, mma.block_n):
             mma = mma._replace(split_k=1)
-        parts = y
-        if mma.split_k > 1:
-            check_tensor("locks", locks, ndim=1, dtypes=(torch.int32,))
-            parts = torch.empty((mma.split_k, num_m, num_n), dtype=torch.float32, device=device)
+        parts = _split_k_parts(mma.split_k, locks, y)
         launch_w4a16_mma(
             x, qweight, scales, zeros, perm, y, parts, locks, group_size=group_size,
             launch=mma, pdl=launch_options(_w4a16_kernel, device)["PDL"],
@@ -427,12 +433,9 @@ def w4a16(
     if locks is None:
         cfg = cfg._replace(split_k=1)
     num_tiles = tiles(cfg)
-    parts = y
-    if cfg.split_k > 1:
-        check_tensor("locks", locks, ndim=1, dtypes=(torch.int32,))
-        if locks.numel() < num_tiles:
-            raise ValueError(f"locks has {locks.numel()} counters; the call needs {num_tiles}")
-        parts = torch.empty((cfg.split_k, num_m, num_n), dtype=torch.float32, device=device)
+    parts = _split_k_parts(cfg.split_k, locks, y)
+    if cfg.split_k > 1 and locks.numel() < num_tiles:
+        raise ValueError(f"locks has {locks.numel()} counters; the call needs {num_tiles}")
     if cfg.block_m == 1:
         launch_w4a16_gemv(
             x, qweight, scales, zeros, perm, g_idx, y, parts, locks,
