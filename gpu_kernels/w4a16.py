@@ -25,7 +25,8 @@ tiles per column band, so weight tiles stay in L2 while the rows that need them 
 (`w4a16_gemv.py`: the scale and zero applied per group after the products). Where it runs
 (CUDA, sm_80 and newer, not under the interpreter), a call of 1-8 rows without launch
 overrides or `g_idx` goes to the mma.sync form instead (`w4a16_mma.py`), which multiplies
-on the tensor cores with the weight in registers.
+on the tensor cores with the weight in registers; on sm_90, one of 65-512 rows to the wgmma
+form (`w4a16_wgmma.py`), the weight dequantized in registers as wgmma's first operand.
 
 With `SWAP_AB` (the launch's `swap_ab`) the same steps multiply the other way round: the
 weight tile transposed, `[BLOCK_N, BLOCK_K]`, is the dot's first operand and the
@@ -71,6 +72,7 @@ from .split_k import store_split_k
 from .w4a16_gemv import launch_w4a16_gemv
 from .w4a16_launch import CUBLAS, W4a16Launch, W4a16Shape, W4a16Table, choose_w4a16_launch
 from .w4a16_mma import launch_w4a16_mma, mma_launch
+from .w4a16_wgmma import launch_w4a16_wgmma, wgmma_launch
 
 __all__ = [
     "PACK",
@@ -414,6 +416,16 @@ def w4a16(
         launch_w4a16_mma(
             x, qweight, scales, zeros, perm, y, parts, locks, group_size=group_size,
             launch=mma, pdl=launch_options(_w4a16_kernel, device)["PDL"],
+        )  # fmt: skip
+        return y
+    wgmma = None
+    if not any(v is not None for v in launch.values()) and g_idx is None:
+        wgmma = wgmma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
+    if wgmma is not None:
+        xs = x if perm is None else x.index_select(1, perm)
+        launch_w4a16_wgmma(
+            xs, qweight, scales, zeros, y, group_size=group_size, launch=wgmma,
+            pdl=launch_options(_w4a16_kernel, device)["PDL"],
         )  # fmt: skip
         return y
     shape = W4a16Shape(device_name(device), num_n, num_k, group_size, dtype_name(x.dtype))

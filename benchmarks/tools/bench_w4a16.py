@@ -20,7 +20,8 @@ The launches are the repository's table's (`gpu_kernels/configs/w4a16.json`), an
 2`: one rank's shapes at tensor_parallel_size=2. One JSON line per (shape, rows):
 `workload` "W4A16-kernel", `value` the int4 microseconds, `baseline_value` bf16 cuBLAS's,
 `ratio` bf16 time over int4 time (above 1: int4 faster), `launch` the launch that ran as
-the table writes it. With `--tinygemm`, PyTorch's own int4 kernel too
+the table writes it, or `"mma"` / `["wgmma", block_n, block_rows, block_k, stages]` where
+`w4a16` took one of the register-operand forms. With `--tinygemm`, PyTorch's own int4 kernel too
 (`aten::_weight_int4pack_mm`, on the same shapes with its own packing, checked against its
 dequantized weight first): `tinygemm_us`.
 """
@@ -170,6 +171,8 @@ def main() -> int:
         launch_value,
         load_w4a16_table,
     )
+    from batchlm.kernels.w4a16_mma import mma_launch
+    from batchlm.kernels.w4a16_wgmma import wgmma_launch
 
     overrides: dict = {}
     if args.launch == CUBLAS:
@@ -211,6 +214,13 @@ def main() -> int:
             row_tiles = rows if launch.block_m == 1 else cdiv(rows, max(launch.block_m, 1))
             tiles = row_tiles * cdiv(num_n, max(launch.block_n, 1))
             launch = fit_launch(launch, num_k, GROUP_SIZE, False, tiles)
+            ran = launch_value(launch)
+            if not overrides:  # `w4a16` takes the register-operand forms by itself
+                if mma_launch(rows, num_n, num_k, GROUP_SIZE, dtype, device) is not None:
+                    ran = "mma"
+                tile = wgmma_launch(rows, num_n, num_k, GROUP_SIZE, dtype, device)
+                if tile is not None:
+                    ran = ["wgmma", *tile]
             ref = w4a16_ref(x, **int4_weights[0])
             got = w4a16(x, **int4_weights[0], locks=locks, table=table, **overrides)
             error = relative_error(got, ref)
@@ -257,7 +267,7 @@ def main() -> int:
                 tp=args.tp,
                 group_size=GROUP_SIZE,
                 dtype=args.dtype,
-                launch=launch_value(launch),
+                launch=ran,
                 table=args.table or "repository",
                 int4_weight_GBps=round(int4_read / int4_us / 1e3, 1),
                 bf16_weight_GBps=round(num_n * num_k * 2 / bf16_us / 1e3, 1),

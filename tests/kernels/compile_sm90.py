@@ -127,6 +127,7 @@ def record_all_launches() -> list[_Launch]:
         w4a16,
         w4a16_gemv,
         w4a16_mma,
+        w4a16_wgmma,
         write_kv_cache,
     )
 
@@ -275,6 +276,28 @@ def record_all_launches() -> list[_Launch]:
                 pdl=False,
             )
     launches += got
+    with recording(w4a16_wgmma, "_w4a16_wgmma_kernel") as got:
+        # The wgmma form (`w4a16` takes it for 65-512 rows on sm_90): W1-int4's gate|up and
+        # q|k|v at 256 rows, zero points in float16 with steps of 32, one group per channel.
+        from batchlm.kernels.w4a16_wgmma import WgmmaLaunch
+
+        cases = [  # rows, n, k, group, dtype, zeros, launch
+            (256, 28672, 4096, 128, bf16, False, WgmmaLaunch(64, 256, 64, 3)),
+            (256, 6144, 4096, 128, bf16, False, WgmmaLaunch(64, 128, 128, 3)),
+            (100, 4096, 14336, 32, f16, True, WgmmaLaunch(64, 64, 32, 4)),
+            (512, 4096, 4096, 4096, bf16, True, WgmmaLaunch(128, 128, 64, 4)),
+        ]
+        for rows_, n, k, group, dtype, zeros, wg in cases:
+            w4a16_wgmma.launch_w4a16_wgmma(
+                torch.zeros(rows_, k, dtype=dtype),
+                torch.zeros(k // 8, n, dtype=torch.int32),
+                torch.zeros(k // group, n, dtype=dtype),
+                torch.zeros(k // group, n, dtype=torch.uint8) if zeros else None,
+                torch.zeros(rows_, n, dtype=dtype),
+                group_size=group,
+                launch=wg,
+            )
+    launches += got
     with recording(quant_fp8, "_quantize_fp8_per_token_kernel") as got:
         quant_fp8.quantize_fp8_per_token(torch.zeros(5, 4096, dtype=bf16))
     launches += got
@@ -390,6 +413,12 @@ def main() -> int:
             ):
                 print(f"{name} {constexprs}: no mma.sync, or the weight staged in "
                       f"{shared} bytes of shared memory", file=sys.stderr)  # fmt: skip
+                return 1
+            if name == "_w4a16_wgmma_kernel" and (
+                "wgmma.mma_async" not in ptx or "st.shared" in ptx
+            ):
+                print(f"{name} {constexprs}: no wgmma, or the weight stored to shared "
+                      "memory by the threads", file=sys.stderr)  # fmt: skip
                 return 1
             if needs_wgmma(launch) and "wgmma.mma_async" not in ptx:
                 print(f"{name} {constexprs}: no wgmma", file=sys.stderr)

@@ -33,7 +33,8 @@ def test_kernels_compile_for_sm90():
                    "_one_shot_all_reduce", "_gemv", "_quantize_fp8_per_token",
                    "_silu_and_mul", "_rms_norm", "_rotary_into_cache", "_route",
                    "_moe_gate_up", "_moe_down", "_sum_slots", "_w4a16_kernel",
-                   "_w4a16_gemv_kernel", "_w4a16_mma_kernel"):  # fmt: skip
+                   "_w4a16_gemv_kernel", "_w4a16_mma_kernel",
+                   "_w4a16_wgmma_kernel"):  # fmt: skip
         for pdl in (False, True):
             assert any(line.startswith(kernel) and f"'PDL': {pdl}" in line for line in compiled), (
                 kernel,
