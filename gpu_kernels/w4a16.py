@@ -406,8 +406,10 @@ def w4a16(
     y = torch.empty((num_m, num_n), dtype=x.dtype, device=device)
     if num_m == 0 or num_n == 0:
         return y
+    # The register-operand forms: only where no launch is asked for and groups are contiguous.
+    auto = not any(v is not None for v in launch.values()) and g_idx is None
     mma = None
-    if not any(v is not None for v in launch.values()) and g_idx is None:
+    if auto:
         mma = mma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
     if mma is not None:
         if locks is None or locks.numel() < cdiv(num_n, mma.block_n):
@@ -419,7 +421,7 @@ def w4a16(
         )  # fmt: skip
         return y
     wgmma = None
-    if not any(v is not None for v in launch.values()) and g_idx is None:
+    if auto:
         wgmma = wgmma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
     if wgmma is not None:
         xs = x if perm is None else x.index_select(1, perm)

@@ -35,6 +35,7 @@ The reference is `w4a16_ref`; `w4a16` routes calls here through `wgmma_launch`.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -146,15 +147,12 @@ if gluon is not None:
         off = _expand_outputs(_pair_bits((-base).to(dtype)), l4)
         scl = _expand_outputs(_pair_bits(scale.to(dtype)), l4)
         w4 = gl.convert_layout(words, gl.SliceLayout(2, gl.SliceLayout(3, l4)), assert_trivial=True)
-        w4 = gl.expand_dims(gl.expand_dims(w4, 2), 3)
-        w4, s4 = gl.broadcast(w4, sel)
-        w4, o4 = gl.broadcast(w4, off)
-        w4, c4 = gl.broadcast(w4, scl)
+        # Each input to every (output, word row, lane t, half) element it serves.
         full = gl.full([BLOCK_N, BLOCK_K // 8, 4, 2], 0, gl.int32, layout=l4)
-        w4, _ = gl.broadcast(w4, full)
-        s4, _ = gl.broadcast(s4, full)
-        o4, _ = gl.broadcast(o4, full)
-        c4, _ = gl.broadcast(c4, full)
+        w4, _ = gl.broadcast(gl.expand_dims(gl.expand_dims(w4, 2), 3), full)
+        s4, _ = gl.broadcast(sel, full)
+        o4, _ = gl.broadcast(off, full)
+        c4, _ = gl.broadcast(scl, full)
         regs: gl.constexpr = "=r,r,r,r,r,r,r,r,r"
         if dtype == gl.bfloat16:
             q = gl.inline_asm_elementwise(
@@ -286,6 +284,7 @@ if gluon is not None:
         gl.store(y_ptrs, acc.to(dtype), mask=rows_y < M)
 
 
+@functools.cache
 def _layouts(nt: int, block_k: int, num_warps: int):
     """The words `[K8, BLOCK_N]` as loaded (a lane's `2 NT` adjacent outputs of each word
     row in registers, the quad's lanes `t` alike), the outputs `[BLOCK_N]` likewise, and the
