@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,6 +31,9 @@ class SparkRunner(Runner):
     name = "spark"
     _session: Any = None
     _started_session = False
+    _sigint: Any = None
+    """The SIGINT handler found before starting a session (None: not started, or not from
+    the main thread, or not a handler Python can put back)."""
 
     def run(self, shards: Iterable[ShardInput]) -> Iterator[ShardBatch]:
         for shard in shards:
@@ -53,6 +58,8 @@ class SparkRunner(Runner):
             if session is None:
                 # Python workers must run this interpreter (where batchlm is installed).
                 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+                if threading.current_thread() is threading.main_thread():
+                    self._sigint = signal.getsignal(signal.SIGINT)
                 session = (
                     SparkSession.builder.appName("batchlm")
                     .config("spark.ui.showConsoleProgress", "false")
@@ -67,8 +74,13 @@ class SparkRunner(Runner):
     def close(self) -> None:
         if self._started_session and self._session is not None:
             self._session.stop()
+            # SparkContext installs a SIGINT handler of its own in the process that starts
+            # it and leaves it after `stop()`: the one found before is put back.
+            if self._sigint is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, self._sigint)
         self._session = None
         self._started_session = False
+        self._sigint = None
 
 
 def _is_pyspark4() -> bool:

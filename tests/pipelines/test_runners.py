@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -186,13 +187,30 @@ def embed_reference(embed_job: JobSpec) -> np.ndarray:
     return np.asarray([o.outputs.embedding for o in outs], dtype=np.float32)
 
 
+def _application_handler(signum, frame) -> None:
+    """A SIGINT handler of the application's own."""
+
+
 @pytest.mark.parametrize("runner", ["local", "ray", "spark"])
 def test_embed_runner_matches_direct_embed(
     runner: str, embed_job: JobSpec, embed_reference: np.ndarray, tmp_path: Path
 ):
     _skip_without(runner)
     job = embed_job.with_overrides(runner=runner, output=str(tmp_path / runner))
-    summary = run_job(job, progress=False)
+    # PySpark's SparkContext installs its own SIGINT handler in the process that starts it
+    # and leaves it there after `stop()`: the runner starts a session here and must put
+    # back the handler it found.
+    if runner == "spark":
+        from pyspark.sql import SparkSession
+
+        assert SparkSession.getActiveSession() is None
+    found = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, _application_handler)
+    try:
+        summary = run_job(job, progress=False)
+        assert signal.getsignal(signal.SIGINT) is _application_handler
+    finally:
+        signal.signal(signal.SIGINT, found)
     assert summary.rows_written == len(EMBED_ROWS) and summary.rows_failed == 0
     out = pq.read_table(tmp_path / runner)
     assert out.column("id").to_pylist() == [r["id"] for r in EMBED_ROWS]
