@@ -70,6 +70,23 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+_VERSIONED = ("torch", "triton", "transformers", "vllm")
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of the libraries a record's speed depends on (those present):
+    a ratio between two records holds only where these match or are stated."""
+    import importlib.metadata
+
+    versions = {}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
 def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
     """Seeded random token-id prompts with lengths uniform in [min_len, max_len]."""
     gen = torch.Generator().manual_seed(seed)
@@ -99,12 +116,14 @@ class Recorder:
         self.command = " ".join([Path(sys.executable).name, *sys.argv])
         self.commit = git_commit()
         self.device = device_name()
+        self.versions = library_versions()
         self.tree = tree
         """Which source tree of batchlm ran, when it is not this checkout's (an A/B of
         two commits, each imported from its own folder)."""
 
     def record(self, **fields) -> None:
-        row = {**fields, "device": self.device, "commit": self.commit, "command": self.command}
+        row = {**fields, "device": self.device, "versions": self.versions, "commit": self.commit,
+               "command": self.command}  # fmt: skip
         if self.tree is not None:
             row["tree"] = self.tree
         line = json.dumps(row)

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import library_versions
 from int4 import GPTQ_CONFIG, LLAMA_8B, NUM_TIMED, ids
 
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -95,6 +96,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     common = dict(system="vllm-0.26", quantization=method, model="Llama-3.1-8B shape",
                   dtype="bfloat16", load_format="dummy", init_s=init_s, device=device,
+                  versions=library_versions(),
                   command=" ".join([Path(sys.executable).name, *sys.argv]))  # fmt: skip
     batch = timed(
         lambda s: ([ids(r, 512, vocab) for r in [random.Random(s)] for _ in range(256)], params)
