@@ -72,7 +72,10 @@ _BLOCK_N = 16 * _WARPS * _TILES_PER_WARP
 # The split over K grows until the programs number about this many per SM (or each has
 # one step left): measured on the H200 at the Llama-3.1-8B shapes (docs/performance.md).
 _PROGRAMS_PER_SM = 2.5
+# At most this many ways, and half as many beyond `_FEW_ROWS` rows: each way adds a float32
+# partial sum per row and output for the last program to add (same measurements).
 _MAX_SPLIT = 16
+_FEW_ROWS = 3
 _ENV_SWITCH = "BATCHLM_W4A16_MMA"
 
 
@@ -342,7 +345,7 @@ def mma_launch(
     `MAX_ROWS` rows, activations other than bfloat16 / float16, N not a multiple of 128,
     a group that is not a multiple of 32 (steps of 32, 64 or 128 features lie in one
     group), or a device it does not run on. K is split until the programs number about
-    2.5 per SM (at most 16 ways, each with a step or more)."""
+    2.5 per SM (at most 16 ways up to 3 rows and 8 beyond, each with a step or more)."""
     if not 1 <= num_m <= MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return None
     if num_n % _BLOCK_N or group_size % 32 or num_k % group_size:
@@ -352,9 +355,10 @@ def mma_launch(
     block_k = 128 if group_size % 128 == 0 else 64 if group_size % 64 == 0 else 32
     steps = num_k // block_k
     columns = num_n // _BLOCK_N
+    max_split = _MAX_SPLIT if num_m <= _FEW_ROWS else _MAX_SPLIT // 2
     split_k = 1
     while (
-        split_k * 2 <= _MAX_SPLIT
+        split_k * 2 <= max_split
         and steps % (split_k * 2) == 0
         and columns * split_k < _PROGRAMS_PER_SM * num_sms(device)
     ):
