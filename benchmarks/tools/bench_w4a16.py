@@ -137,6 +137,32 @@ def time_calls(fn, inputs: list, calls: int = 24, replays: int = 5) -> float:
     return best
 
 
+def sweep_args(doc: str, rows: tuple[int, ...]) -> tuple[Path, list[int]]:
+    """A sweep's command line: `--out` (required) and `--rows` (default `rows`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", default=",".join(map(str, rows)))
+    args = parser.parse_args()
+    return args.out, [int(r) for r in args.rows.split(",")]
+
+
+def layer_cases(rows: list[int], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """For each 8B layer shape and row count: `(name, n, k, m, weights, dense, x, y, want)`,
+    the int4 weight's copies (for `time_calls`), the bf16 weight's copies (for cuBLAS),
+    random activations, an output buffer and `w4a16_ref`'s output on the first copy."""
+    from batchlm.kernels.w4a16 import w4a16_ref
+
+    for name, (n, k) in SHAPES.items():
+        weights = copies(partial(random_int4, n, k, dtype, gen), n * k // 2)
+        dense = copies(partial(random_dense, n, k, dtype), n * k * 2)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            y = torch.empty(m, n, device="cuda", dtype=dtype)
+            yield name, n, k, m, weights, dense, x, y, w4a16_ref(x, **weights[0])
+        del weights, dense
+        torch.cuda.empty_cache()
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12)).item()
 

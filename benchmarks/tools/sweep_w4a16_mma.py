@@ -14,7 +14,6 @@ chose, `bf16_us` cuBLAS on the bf16 weight.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ import bench_w4a16 as bw  # noqa: E402
 from common import Recorder  # noqa: E402
 
 from batchlm.kernels.pdl import launch_options  # noqa: E402
-from batchlm.kernels.w4a16 import _w4a16_kernel, new_split_k_locks, w4a16_ref  # noqa: E402
+from batchlm.kernels.w4a16 import _w4a16_kernel, new_split_k_locks  # noqa: E402
 from batchlm.kernels.w4a16_launch import MMA, W4a16Launch  # noqa: E402
 from batchlm.kernels.w4a16_mma import launch_w4a16_mma, mma_launch  # noqa: E402
 
@@ -49,53 +48,41 @@ def _run(launch: W4a16Launch, x, y, locks, pdl: bool, w: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    args = parser.parse_args()
-    rec = Recorder(str(args.out))
+    out, rows_list = bw.sweep_args(__doc__, ROWS)
+    rec = Recorder(str(out))
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = torch.bfloat16
     device = torch.device("cuda")
     pdl = launch_options(_w4a16_kernel, device)["PDL"]
     locks = new_split_k_locks(device)
-    for name, (n, k) in bw.SHAPES.items():
-        weights = bw.copies(partial(bw.random_int4, n, k, bf16, gen), n * k // 2)
-        dense = bw.copies(partial(bw.random_dense, n, k, bf16), n * k * 2)
-        steps = k // 128
-        for rows in map(int, args.rows.split(",")):
-            x = torch.randn(rows, k, device="cuda").to(bf16)
-            y = torch.empty(rows, n, device="cuda", dtype=bf16)
-            want = w4a16_ref(x, **weights[0])
-            chosen = mma_launch(rows, n, k, bw.GROUP_SIZE, bf16, device)
-            launches = {chosen}
-            for block_n in BLOCK_N:
-                for split in SPLITS:
-                    if steps % split == 0:
-                        launches.add(W4a16Launch(8, block_n, 128, split, 4, 1, MMA))
-            us = {}
-            for launch in sorted(launches):
-                run = partial(_run, launch, x, y, locks, pdl)
-                y.zero_()
-                run(weights[0])
-                error = bw.relative_error(y, want)
-                if error > 1e-2 or int(locks.abs().sum()):
-                    print(f"{name} rows={rows} {launch}: relative error {error}", file=sys.stderr)
-                    return 1
-                key = f"{launch.block_n}/{launch.split_k}"
-                us[key] = round(bw.time_calls(run, weights), 2)
-            best = min(us, key=us.get)
-            chosen_key = f"{chosen.block_n}/{chosen.split_k}"
-            print(f"{name} rows={rows}: best {best} {us[best]} us, chosen {chosen_key} "
-                  f"{us[chosen_key]} us", flush=True)  # fmt: skip
-            rec.record(
-                workload="W4A16-mma-sweep", system="batchlm-w4a16-mma", metric="us",
-                value=us[best], best=best, us=us, chosen=chosen_key, chosen_us=us[chosen_key],
-                bf16_us=round(bw.time_calls(partial(F.linear, x), dense), 2), pdl=pdl,
-                shape=name, n=n, k=k, rows=rows, group_size=bw.GROUP_SIZE, dtype="bfloat16",
-            )  # fmt: skip
-        del weights, dense
-        torch.cuda.empty_cache()
+    for name, n, k, rows, weights, dense, x, y, want in bw.layer_cases(rows_list, gen):
+        chosen = mma_launch(rows, n, k, bw.GROUP_SIZE, bf16, device)
+        launches = {chosen}
+        for block_n in BLOCK_N:
+            for split in SPLITS:
+                if (k // 128) % split == 0:
+                    launches.add(W4a16Launch(8, block_n, 128, split, 4, 1, MMA))
+        us = {}
+        for launch in sorted(launches):
+            run = partial(_run, launch, x, y, locks, pdl)
+            y.zero_()
+            run(weights[0])
+            error = bw.relative_error(y, want)
+            if error > 1e-2 or int(locks.abs().sum()):
+                print(f"{name} rows={rows} {launch}: relative error {error}", file=sys.stderr)
+                return 1
+            key = f"{launch.block_n}/{launch.split_k}"
+            us[key] = round(bw.time_calls(run, weights), 2)
+        best = min(us, key=us.get)
+        chosen_key = f"{chosen.block_n}/{chosen.split_k}"
+        print(f"{name} rows={rows}: best {best} {us[best]} us, chosen {chosen_key} "
+              f"{us[chosen_key]} us", flush=True)  # fmt: skip
+        rec.record(
+            workload="W4A16-mma-sweep", system="batchlm-w4a16-mma", metric="us",
+            value=us[best], best=best, us=us, chosen=chosen_key, chosen_us=us[chosen_key],
+            bf16_us=round(bw.time_calls(partial(F.linear, x), dense), 2), pdl=pdl,
+            shape=name, n=n, k=k, rows=rows, group_size=bw.GROUP_SIZE, dtype="bfloat16",
+        )  # fmt: skip
     return 0
 
 

@@ -13,7 +13,6 @@ tile's microseconds (`best`), each tile's as `us` keyed `block_n/block_rows/bloc
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from functools import partial
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_w4a16 as bw  # noqa: E402
 from common import Recorder  # noqa: E402
 
-from batchlm.kernels.w4a16 import w4a16, w4a16_ref  # noqa: E402
+from batchlm.kernels.w4a16 import w4a16  # noqa: E402
 from batchlm.kernels.w4a16_wgmma import WgmmaLaunch, launch_w4a16_wgmma  # noqa: E402
 
 TILES = [WgmmaLaunch(*t) for t in [(64, 64, 64, 4), (64, 128, 64, 4), (64, 64, 128, 4),
@@ -41,45 +40,33 @@ def _table(x: torch.Tensor, weight: dict) -> torch.Tensor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
-    args = parser.parse_args()
-    rec = Recorder(str(args.out))
+    out, rows_list = bw.sweep_args(__doc__, ROWS)
+    rec = Recorder(str(out))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bf16 = torch.bfloat16
-    for name, (n, k) in bw.SHAPES.items():
-        weights = bw.copies(partial(bw.random_int4, n, k, bf16, gen), n * k // 2)
-        dense = bw.copies(partial(bw.random_dense, n, k, bf16), n * k * 2)
-        for rows in map(int, args.rows.split(",")):
-            x = torch.randn(rows, k, device="cuda").to(bf16)
-            y = torch.empty(rows, n, device="cuda", dtype=bf16)
-            want = w4a16_ref(x, **weights[0])
-            tiles = {}
-            for tile in TILES:
+    for name, n, k, rows, weights, dense, x, y, want in bw.layer_cases(rows_list, gen):
+        tiles = {}
+        for tile in TILES:
 
-                def run(w, x=x, y=y, tile=tile):
-                    launch_w4a16_wgmma(x, w["qweight"], w["scales"], None, y,
-                                       group_size=w["group_size"], launch=tile)  # fmt: skip
+            def run(w, x=x, y=y, tile=tile):
+                launch_w4a16_wgmma(x, w["qweight"], w["scales"], None, y,
+                                   group_size=w["group_size"], launch=tile)  # fmt: skip
 
-                run(weights[0])
-                error = bw.relative_error(y, want)
-                if error > 1e-2:
-                    print(f"{name} rows={rows} {tile}: relative error {error}", file=sys.stderr)
-                    return 1
-                tiles["/".join(map(str, tile))] = round(bw.time_calls(run, weights), 2)
-            os.environ["BATCHLM_W4A16_WGMMA"] = "0"
-            table = bw.time_calls(partial(_table, x), weights)
-            del os.environ["BATCHLM_W4A16_WGMMA"]
-            best = min(tiles, key=tiles.get)
-            rec.record(
-                workload="W4A16-wgmma-sweep", system="batchlm-w4a16-wgmma", metric="us",
-                value=tiles[best], best=best, us=tiles, table_us=round(table, 2),
-                bf16_us=round(bw.time_calls(partial(F.linear, x), dense), 2),
-                shape=name, n=n, k=k, rows=rows, group_size=bw.GROUP_SIZE, dtype="bfloat16",
-            )  # fmt: skip
-        del weights, dense
-        torch.cuda.empty_cache()
+            run(weights[0])
+            error = bw.relative_error(y, want)
+            if error > 1e-2:
+                print(f"{name} rows={rows} {tile}: relative error {error}", file=sys.stderr)
+                return 1
+            tiles["/".join(map(str, tile))] = round(bw.time_calls(run, weights), 2)
+        os.environ["BATCHLM_W4A16_WGMMA"] = "0"
+        table = bw.time_calls(partial(_table, x), weights)
+        del os.environ["BATCHLM_W4A16_WGMMA"]
+        best = min(tiles, key=tiles.get)
+        rec.record(
+            workload="W4A16-wgmma-sweep", system="batchlm-w4a16-wgmma", metric="us",
+            value=tiles[best], best=best, us=tiles, table_us=round(table, 2),
+            bf16_us=round(bw.time_calls(partial(F.linear, x), dense), 2),
+            shape=name, n=n, k=k, rows=rows, group_size=bw.GROUP_SIZE, dtype="bfloat16",
+        )  # fmt: skip
     return 0
 
 
