@@ -72,7 +72,7 @@ from .split_k import store_split_k
 from .w4a16_gemv import launch_w4a16_gemv
 from .w4a16_launch import CUBLAS, W4a16Launch, W4a16Shape, W4a16Table, choose_w4a16_launch
 from .w4a16_mma import launch_w4a16_mma, mma_launch
-from .w4a16_wgmma import launch_w4a16_wgmma, wgmma_launch
+from .w4a16_wgmma import WgmmaLaunch, launch_w4a16_wgmma, wgmma_launch
 
 __all__ = [
     "PACK",
@@ -80,6 +80,7 @@ __all__ = [
     "dequantize_int4_ref",
     "fit_launch",
     "new_split_k_locks",
+    "register_form_launch",
     "unpack_int4_ref",
     "w4a16",
     "w4a16_ref",
@@ -337,6 +338,19 @@ def _split_k_parts(split_k: int, locks: torch.Tensor | None, y: torch.Tensor) ->
     return torch.empty((split_k, *y.shape), dtype=torch.float32, device=y.device)
 
 
+def register_form_launch(
+    num_m: int, num_n: int, num_k: int, group_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> W4a16Launch | WgmmaLaunch | None:  # fmt: skip
+    """The register-operand form `w4a16` takes by itself for a call without launch
+    overrides or `g_idx`: the mma.sync form's launch (1-8 rows), the wgmma form's (65-512
+    rows on sm_90), or None where neither applies."""
+    mma = mma_launch(num_m, num_n, num_k, group_size, dtype, device)
+    if mma is not None:
+        return mma
+    return wgmma_launch(num_m, num_n, num_k, group_size, dtype, device)
+
+
 def fit_launch(
     launch: W4a16Launch, num_k: int, group_size: int, has_g_idx: bool, num_tiles: int
 ) -> W4a16Launch:
@@ -407,26 +421,22 @@ def w4a16(
     if num_m == 0 or num_n == 0:
         return y
     # The register-operand forms: only where no launch is asked for and groups are contiguous.
-    auto = not any(v is not None for v in launch.values()) and g_idx is None
-    mma = None
-    if auto:
-        mma = mma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
-    if mma is not None:
-        if locks is None or locks.numel() < cdiv(num_n, mma.block_n):
-            mma = mma._replace(split_k=1)
-        parts = _split_k_parts(mma.split_k, locks, y)
+    form = None
+    if not any(v is not None for v in launch.values()) and g_idx is None:
+        form = register_form_launch(num_m, num_n, num_k, group_size, x.dtype, device)
+    if isinstance(form, W4a16Launch):
+        if locks is None or locks.numel() < cdiv(num_n, form.block_n):
+            form = form._replace(split_k=1)
+        parts = _split_k_parts(form.split_k, locks, y)
         launch_w4a16_mma(
             x, qweight, scales, zeros, perm, y, parts, locks, group_size=group_size,
-            launch=mma, pdl=launch_options(_w4a16_kernel, device)["PDL"],
+            launch=form, pdl=launch_options(_w4a16_kernel, device)["PDL"],
         )  # fmt: skip
         return y
-    wgmma = None
-    if auto:
-        wgmma = wgmma_launch(num_m, num_n, num_k, group_size, x.dtype, device)
-    if wgmma is not None:
+    if form is not None:
         xs = x if perm is None else x.index_select(1, perm)
         launch_w4a16_wgmma(
-            xs, qweight, scales, zeros, y, group_size=group_size, launch=wgmma,
+            xs, qweight, scales, zeros, y, group_size=group_size, launch=form,
             pdl=launch_options(_w4a16_kernel, device)["PDL"],
         )  # fmt: skip
         return y

@@ -188,17 +188,22 @@ def main() -> int:
     from common import Recorder
 
     from batchlm.kernels.launch import cdiv, device_name, dtype_name, num_sms
-    from batchlm.kernels.w4a16 import fit_launch, new_split_k_locks, w4a16, w4a16_ref
+    from batchlm.kernels.w4a16 import (
+        fit_launch,
+        new_split_k_locks,
+        register_form_launch,
+        w4a16,
+        w4a16_ref,
+    )
     from batchlm.kernels.w4a16_launch import (
         CUBLAS,
         SWAP_AB,
+        W4a16Launch,
         W4a16Shape,
         choose_w4a16_launch,
         launch_value,
         load_w4a16_table,
     )
-    from batchlm.kernels.w4a16_mma import mma_launch
-    from batchlm.kernels.w4a16_wgmma import wgmma_launch
 
     overrides: dict = {}
     if args.launch == CUBLAS:
@@ -241,12 +246,13 @@ def main() -> int:
             tiles = row_tiles * cdiv(num_n, max(launch.block_n, 1))
             launch = fit_launch(launch, num_k, GROUP_SIZE, False, tiles)
             ran = launch_value(launch)
-            if not overrides:  # `w4a16` takes the register-operand forms by itself
-                if mma_launch(rows, num_n, num_k, GROUP_SIZE, dtype, device) is not None:
-                    ran = "mma"
-                tile = wgmma_launch(rows, num_n, num_k, GROUP_SIZE, dtype, device)
-                if tile is not None:
-                    ran = ["wgmma", *tile]
+            form = None  # `w4a16` takes the register-operand forms by itself
+            if not overrides:
+                form = register_form_launch(rows, num_n, num_k, GROUP_SIZE, dtype, device)
+            if isinstance(form, W4a16Launch):
+                ran = "mma"
+            elif form is not None:
+                ran = ["wgmma", *form]
             ref = w4a16_ref(x, **int4_weights[0])
             got = w4a16(x, **int4_weights[0], locks=locks, table=table, **overrides)
             error = relative_error(got, ref)
