@@ -75,6 +75,18 @@ def make_weight(
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
 
+def record_form_launches(monkeypatch, module, name: str) -> list:
+    """The `launch` of each call `w4a16` makes to `name`, a register-operand form's launcher
+    from `module`; the calls still run."""
+    calls: list = []
+    launcher = getattr(module, name)
+    monkeypatch.setattr(
+        f"batchlm.kernels.w4a16.{name}",
+        lambda *a, **kw: calls.append(kw["launch"]) or launcher(*a, **kw),
+    )
+    return calls
+
+
 def check(x: torch.Tensor, weight: dict, locks: torch.Tensor | None = None, **launch) -> None:
     ref = w4a16_ref(x, **weight)
     got = w4a16(x, **weight, locks=locks, **launch)

@@ -14,7 +14,7 @@ from batchlm.kernels.w4a16 import new_split_k_locks, unpack_int4_ref, w4a16, w4a
 from batchlm.kernels.w4a16_launch import MMA
 
 from .helpers import ON_GPU
-from .test_w4a16 import make_weight
+from .test_w4a16 import make_weight, record_form_launches
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
@@ -117,12 +117,7 @@ def test_switched_off_by_the_environment(monkeypatch):
 @pytest.mark.parametrize("group_size", [32, 64, 128, 4096])
 @pytest.mark.parametrize("rows", [1, 5, 8])
 def test_matches_reference_on_the_gpu(monkeypatch, rows, group_size, zeros, act_order, dtype):
-    ran = []
-    launch = w4a16_mma.launch_w4a16_mma
-    monkeypatch.setattr(
-        "batchlm.kernels.w4a16.launch_w4a16_mma",
-        lambda *a, **kw: ran.append(kw["launch"]) or launch(*a, **kw),
-    )
+    ran = record_form_launches(monkeypatch, w4a16_mma, "launch_w4a16_mma")
     weight = make_weight(4096, 1024, group_size, zeros=zeros, act_order=act_order,
                          dtype=dtype, device="cuda")  # fmt: skip
     x = torch.randn(rows, 4096, device="cuda", dtype=dtype)

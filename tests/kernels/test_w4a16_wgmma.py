@@ -15,7 +15,7 @@ from batchlm.kernels.w4a16 import unpack_int4_ref, w4a16, w4a16_ref
 from batchlm.kernels.w4a16_wgmma import WgmmaLaunch
 
 from .helpers import ON_GPU
-from .test_w4a16 import make_weight
+from .test_w4a16 import make_weight, record_form_launches
 
 ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 sm90 = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU (wgmma)")
@@ -105,19 +105,29 @@ def test_where_the_form_applies_and_its_tiles(monkeypatch, rows, n, k, group, dt
     assert got == launch
 
 
+@pytest.mark.parametrize(
+    ("rows", "form"), [(1, "mma"), (8, "mma"), (9, None), (64, None), (65, "wgmma"),
+                       (512, "wgmma"), (513, None)],
+)  # fmt: skip
+def test_which_register_form_w4a16_takes(monkeypatch, rows, form):
+    """mma.sync for 1-8 rows, wgmma for 65-512, neither in between or beyond."""
+    from batchlm.kernels import w4a16_mma
+    from batchlm.kernels.w4a16 import register_form_launch
+    from batchlm.kernels.w4a16_launch import W4a16Launch
+
+    monkeypatch.setattr(w4a16_mma, "mma_available", lambda device: True)
+    monkeypatch.setattr(w4a16_mma, "num_sms", lambda device: 132)
+    monkeypatch.setattr(w4a16_wgmma, "wgmma_available", lambda device: True)
+    got = register_form_launch(rows, 4096, 4096, 128, torch.bfloat16, torch.device("cuda"))
+    kind = "mma" if isinstance(got, W4a16Launch) else "wgmma" if got is not None else None
+    assert kind == form
+    if form == "wgmma":
+        assert isinstance(got, WgmmaLaunch)
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("BATCHLM_W4A16_WGMMA", "0")
     assert not w4a16_wgmma.wgmma_available(torch.device("cuda"))
-
-
-def _record_launches(monkeypatch) -> list:
-    ran = []
-    launch = w4a16_wgmma.launch_w4a16_wgmma
-    monkeypatch.setattr(
-        "batchlm.kernels.w4a16.launch_w4a16_wgmma",
-        lambda *a, **kw: ran.append(kw["launch"]) or launch(*a, **kw),
-    )
-    return ran
 
 
 @sm90
@@ -128,7 +138,7 @@ def _record_launches(monkeypatch) -> list:
 @pytest.mark.parametrize("group_size", [32, 64, 128, 2048])
 @pytest.mark.parametrize("rows", [65, 128, 300, 512])
 def test_matches_reference_on_the_gpu(monkeypatch, rows, group_size, zeros, act_order, dtype):
-    ran = _record_launches(monkeypatch)
+    ran = record_form_launches(monkeypatch, w4a16_wgmma, "launch_w4a16_wgmma")
     n = 28672 if rows == 300 else 384  # the wide layers' tiles too
     weight = make_weight(2048, n, group_size, zeros=zeros, act_order=act_order, dtype=dtype,
                          device="cuda")  # fmt: skip
@@ -159,7 +169,7 @@ def test_extreme_nibbles_and_zeros_on_the_gpu():
 @pytest.mark.gpu
 def test_activations_off_16_byte_boundaries_on_the_gpu(monkeypatch):
     """TMA reads rows at 16-byte boundaries: other activations are copied first."""
-    ran = _record_launches(monkeypatch)
+    ran = record_form_launches(monkeypatch, w4a16_wgmma, "launch_w4a16_wgmma")
     weight = make_weight(1024, 256, 128, zeros=False, act_order=False, device="cuda")
     flat = torch.randn(200 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
     x = flat[1:].view(200, 1024)
