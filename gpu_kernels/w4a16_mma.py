@@ -38,7 +38,10 @@ tensor core in float32, then scaled per output and added to the accumulator. Zer
 enter as the first term of each step's sum: the tensor core multiplies a matrix whose row
 `r` is `8 - zero_r` by the same activations, so `sum_k x_k (q_k - 8) + (8 - z) sum_k x_k`
 is `sum_k x_k (q_k - z)`. Activation order gathers the activations through `perm`.
-The next step's words, activations and scales are loaded while a step is computed. Split-K,
+The next step's words and scales are loaded while a step is computed. The activations are
+too, or, at one row, all of a program's are staged in shared memory before its first step
+where they fit (`staged_steps`): a step then reads them from there instead of waiting on
+their load, and the kernel holds 30 fewer registers a thread. Split-K,
 the counters and PDL are as in the other W4A16 kernels (`split_k.py`), written out here
 because Gluon does not call `triton.jit` functions.
 
@@ -52,7 +55,7 @@ import os
 
 import torch
 
-from .launch import cdiv, is_interpreted, num_sms
+from .launch import cdiv, is_interpreted, next_power_of_2, num_sms
 from .w4a16_launch import MMA, W4a16Launch
 
 try:  # Gluon is experimental: a Triton without it, or a changed API, disables the form.
@@ -62,7 +65,7 @@ try:  # Gluon is experimental: a Triton without it, or a changed API, disables t
 except ImportError:  # pragma: no cover - Triton 3.4 and 3.5 have it
     gluon = None
 
-__all__ = ["MAX_ROWS", "launch_w4a16_mma", "mma_available", "mma_launch"]
+__all__ = ["MAX_ROWS", "launch_w4a16_mma", "mma_available", "mma_launch", "staged_steps"]
 
 MAX_ROWS = 8
 """Rows the form takes: the tensor core's N, 8, holds them."""
@@ -77,6 +80,12 @@ _PROGRAMS_PER_SM = 2.5
 _MAX_SPLIT = 16
 _FEW_ROWS = 3
 _ENV_SWITCH = "BATCHLM_W4A16_MMA"
+# At one row, a program whose activations take at most this many bytes of shared memory
+# stages them there before its first step (same measurements: at 4 rows, and at gate|up's
+# 32 KiB, staging lost).
+_STAGED_MAX_ROWS = 1
+_STAGED_BYTES = 16 * 1024
+_STAGED_SWITCH = "BATCHLM_W4A16_MMA_STAGED"
 
 
 def _dequantize_asm(magic: int, one: int, offset: int, fma: str) -> str:
@@ -158,25 +167,36 @@ if gluon is not None:
         )  # fmt: skip
 
     @gluon.jit
-    def _load_activations(
-        x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start, stride_sg, stride_zg,
-        GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_PERM: gl.constexpr,
-        dtype: gl.constexpr,
-    ):  # fmt: skip
-        """What the step `k0` features into the program's share reads besides its words:
-        activations, the group's scales as float32 and `8 - zero` per operand row in the
-        activation dtype."""
+    def _load_activations(x_ptrs, perm_ptrs, x_rows, x_mask, k0, HAS_PERM: gl.constexpr):
+        """The activations of the step `k0` features into the program's share."""
         if HAS_PERM:
             x = gl.load(x_rows + gl.load(perm_ptrs + k0), mask=x_mask, other=0.0)
         else:
             x = gl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+        return x
+
+    @gluon.jit
+    def _load_scales(
+        s_ptrs, z_ptrs, k0, k_start, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
+        HAS_ZEROS: gl.constexpr, dtype: gl.constexpr,
+    ):  # fmt: skip
+        """The scales of the step `k0` features into the program's share, as float32, and
+        `8 - zero` per operand row in the activation dtype."""
         group = (k_start + k0) // GROUP_SIZE
         scale = gl.load(s_ptrs + group * stride_sg).to(gl.float32)
         zero_rows = scale  # unused without zeros
         if HAS_ZEROS:
             zero = gl.load(z_ptrs + group * stride_zg).to(gl.float32)
             zero_rows = (8.0 - zero).to(dtype)
-        return x, scale, zero_rows
+        return scale, zero_rows
+
+    @gluon.jit
+    def _staged_activations(
+        x_smem, step, BLOCK_M: gl.constexpr, KT2: gl.constexpr, layout: gl.constexpr
+    ):  # fmt: skip
+        """The step's activations `[KT2, T, J, M]` from shared memory `[step, row, feature]`."""
+        x = x_smem.index(step).load(layout)
+        return gl.permute(gl.reshape(x, [BLOCK_M, KT2, 4, 8]), (1, 2, 3, 0))
 
     @gluon.jit
     def _w4a16_mma_kernel(
@@ -191,7 +211,8 @@ if gluon is not None:
         M, N, K, stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_PERM: gl.constexpr,
         NTW: gl.constexpr, KT2: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-        X_LAYOUT: gl.constexpr, PDL: gl.constexpr,
+        X_LAYOUT: gl.constexpr, STAGED_STEPS: gl.constexpr,
+        STAGING_LAYOUT: gl.constexpr, STAGED_LAYOUT: gl.constexpr, PDL: gl.constexpr,
     ):  # fmt: skip
         """Axis 0: `16 W NTW` outputs; axis 1: the split of K (a multiple of the step,
         `32 KT2` features, which divides the group)."""
@@ -269,24 +290,66 @@ if gluon is not None:
         if PDL:
             _gdc_wait()
             _gdc_launch_dependents()
-        x, scale, zero_rows = _load_activations(
-            x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, 0, k_start, stride_sg,
-            stride_zg, GROUP_SIZE, HAS_ZEROS, HAS_PERM, dtype,
-        )  # fmt: skip
+        scale, zero_rows = _load_scales(
+            s_ptrs, z_ptrs, 0, k_start, stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS, dtype
+        )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-        for k0 in range(BLOCK_K, k_len, BLOCK_K):
-            w_ptrs += (BLOCK_K // 8) * stride_qk
-            words_ahead = gl.load(w_ptrs)
-            ahead = _load_activations(
-                x_ptrs, perm_ptrs, x_rows, x_mask, s_ptrs, z_ptrs, k0, k_start, stride_sg,
-                stride_zg, GROUP_SIZE, HAS_ZEROS, HAS_PERM, dtype,
+        if STAGED_STEPS > 0:
+            # Every step's activations into shared memory at once, so that no step waits on
+            # their loads: [step, row, feature], read back in the activations' layout.
+            x_smem = gl.allocate_shared_memory(
+                dtype, [STAGED_STEPS, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+            )
+            sl: gl.constexpr = STAGING_LAYOUT
+            ss = gl.arange(0, STAGED_STEPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sl)))
+            sm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl)))
+            sk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl)))
+            s_feats = gl.expand_dims(gl.expand_dims(ss * BLOCK_K, 1), 2) + gl.expand_dims(
+                gl.expand_dims(sk, 0), 1
             )  # fmt: skip
-            acc = _step(
-                acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
-                HAS_ZEROS, p6, a_layout, b_layout, mma,
-            )  # fmt: skip
-            words = words_ahead
-            x, scale, zero_rows = ahead
+            s_rows = gl.expand_dims(gl.expand_dims(sm, 0), 2)
+            s_mask = (s_rows < M) & (s_feats < k_len)
+            if HAS_PERM:
+                s_cols = gl.load(perm_ptr + k_start + s_feats, mask=s_feats < k_len, other=0)
+            else:
+                s_cols = k_start + s_feats
+            x_smem.store(gl.load(x_ptr + s_rows * stride_xm + s_cols, mask=s_mask, other=0.0))
+            x_smem = x_smem._reinterpret(
+                dtype, [STAGED_STEPS, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+            )
+            gl.thread_barrier()
+            for step in range(1, k_len // BLOCK_K):
+                w_ptrs += (BLOCK_K // 8) * stride_qk
+                words_ahead = gl.load(w_ptrs)
+                scales_ahead = _load_scales(
+                    s_ptrs, z_ptrs, step * BLOCK_K, k_start, stride_sg, stride_zg, GROUP_SIZE,
+                    HAS_ZEROS, dtype,
+                )  # fmt: skip
+                x = _staged_activations(x_smem, step - 1, BLOCK_M, KT2, STAGED_LAYOUT)
+                acc = _step(
+                    acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
+                    HAS_ZEROS, p6, a_layout, b_layout, mma,
+                )  # fmt: skip
+                words = words_ahead
+                scale, zero_rows = scales_ahead
+            x = _staged_activations(x_smem, k_len // BLOCK_K - 1, BLOCK_M, KT2, STAGED_LAYOUT)
+        else:
+            x = _load_activations(x_ptrs, perm_ptrs, x_rows, x_mask, 0, HAS_PERM)
+            for k0 in range(BLOCK_K, k_len, BLOCK_K):
+                w_ptrs += (BLOCK_K // 8) * stride_qk
+                words_ahead = gl.load(w_ptrs)
+                x_ahead = _load_activations(x_ptrs, perm_ptrs, x_rows, x_mask, k0, HAS_PERM)
+                scales_ahead = _load_scales(
+                    s_ptrs, z_ptrs, k0, k_start, stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS,
+                    dtype,
+                )  # fmt: skip
+                acc = _step(
+                    acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
+                    HAS_ZEROS, p6, a_layout, b_layout, mma,
+                )  # fmt: skip
+                words = words_ahead
+                x = x_ahead
+                scale, zero_rows = scales_ahead
         acc = _step(
             acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
             HAS_ZEROS, p6, a_layout, b_layout, mma,
@@ -325,6 +388,43 @@ def _activation_layout(kt2: int, block_m: int, num_warps: int):
         block_bases=[],
         shape=[kt2, 4, 8, block_m],
     )
+
+
+def _staging_layout(steps: int, rows: int, block_k: int, num_warps: int):
+    """The activations `[step, row, feature]` as the program loads them to stage them:
+    8 features a thread, the lanes over features, then rows, then steps."""
+    lanes_k = block_k // 8
+    lanes_m = min(rows, 32 // lanes_k)
+    return gl.BlockedLayout(
+        [1, 1, 8], [32 // (lanes_k * lanes_m), lanes_m, lanes_k], [num_warps, 1, 1], [2, 1, 0]
+    )
+
+
+def _staged_layout(kt2: int, block_m: int, num_warps: int):
+    """The activations `[M, 32 KT2]` read back from shared memory in the layout that
+    `_activation_layout` gives `[KT2, T, J, M]`."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(kt2.bit_length() - 1)],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0] for _ in range(num_warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[block_m, 32 * kt2],
+    )
+
+
+def staged_steps(
+    num_m: int, num_k: int, launch: W4a16Launch, itemsize: int, gathered: bool
+) -> int:  # fmt: skip
+    """How many steps' activations a program of `launch` stages in shared memory before its
+    first step (its steps rounded up to a power of 2), or 0 where it loads each step's a
+    step ahead instead: it stages one row within `_STAGED_BYTES` (a quarter of it where
+    they are gathered through `perm`, whose indices the staging loads too), and not where
+    `BATCHLM_W4A16_MMA_STAGED` is `0`."""
+    steps = next_power_of_2(num_k // launch.split_k // launch.block_k)
+    if num_m > _STAGED_MAX_ROWS or os.environ.get(_STAGED_SWITCH) == "0":
+        return 0
+    limit = _STAGED_BYTES // 4 if gathered else _STAGED_BYTES
+    return steps if steps * launch.block_m * launch.block_k * itemsize <= limit else 0
 
 
 def mma_available(device: torch.device) -> bool:
@@ -388,6 +488,7 @@ def launch_w4a16_mma(
     num_n = qweight.shape[1]
     kt2 = launch.block_k // 32
     ntw = launch.block_n // (16 * launch.num_warps)
+    staged = staged_steps(num_m, num_k, launch, x.element_size(), perm is not None)
     _w4a16_mma_kernel[(cdiv(num_n, launch.block_n), launch.split_k)](
         x, qweight, scales,
         zeros if zeros is not None else qweight,
@@ -405,6 +506,9 @@ def launch_w4a16_mma(
         BLOCK_M=launch.block_m,
         SPLIT_K=launch.split_k,
         X_LAYOUT=_activation_layout(kt2, launch.block_m, launch.num_warps),
+        STAGED_STEPS=staged,
+        STAGING_LAYOUT=_staging_layout(max(staged, 1), launch.block_m, launch.block_k, launch.num_warps),
+        STAGED_LAYOUT=_staged_layout(kt2, launch.block_m, launch.num_warps),
         PDL=pdl,
         num_warps=launch.num_warps,
         launch_pdl=pdl,

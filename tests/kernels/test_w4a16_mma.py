@@ -11,7 +11,7 @@ import torch
 
 from batchlm.kernels import w4a16_mma
 from batchlm.kernels.w4a16 import new_split_k_locks, unpack_int4_ref, w4a16, w4a16_ref
-from batchlm.kernels.w4a16_launch import MMA
+from batchlm.kernels.w4a16_launch import MMA, W4a16Launch
 
 from .helpers import ON_GPU
 from .test_w4a16 import make_weight, record_form_launches
@@ -85,6 +85,34 @@ def test_split_for_the_llama_8b_shapes_on_132_sms(monkeypatch, rows, n, k, split
     assert (launch.block_n, launch.block_k, launch.split_k) == (128, 128, split_k)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize(
+    ("n", "k", "staged"),
+    [(6144, 4096, 4), (4096, 4096, 2), (28672, 4096, 0), (4096, 14336, 8)],
+    ids=["qkv", "o", "gate_up", "down"],
+)
+def test_activations_staged_for_the_llama_8b_shapes(monkeypatch, rows, n, k, staged):
+    """At one row, the programs whose activations fit 16 KiB of shared memory stage them
+    (down's 7 steps as 8); gate|up's 16 steps do not, nor do more rows (measured slower,
+    docs/performance.md)."""
+    monkeypatch.setattr(w4a16_mma, "mma_available", lambda device: True)
+    monkeypatch.setattr(w4a16_mma, "num_sms", lambda device: 132)
+    launch = w4a16_mma.mma_launch(rows, n, k, 128, torch.bfloat16, torch.device("cuda"))
+    want = staged if rows == 1 else 0
+    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == want
+    monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGED", "0")
+    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == 0
+
+
+def test_gathered_activations_staged_within_a_quarter():
+    """Activations gathered through `perm` stage within 4 KiB: the staging loads the indices
+    too, in registers the steps need."""
+    launch = W4a16Launch(8, 128, 32, 16, 4, 1, MMA)  # 4096 features: 8 steps of 32
+    assert w4a16_mma.staged_steps(1, 4096, launch, 2, gathered=True) == 8
+    assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=True) == 0
+    assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=False) == 16
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k", "group", "dtype", "block_k"),
     [
@@ -115,8 +143,16 @@ def test_switched_off_by_the_environment(monkeypatch):
 @pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
 @pytest.mark.parametrize("zeros", [False, True], ids=["sym", "zeros"])
 @pytest.mark.parametrize("group_size", [32, 64, 128, 4096])
-@pytest.mark.parametrize("rows", [1, 5, 8])
-def test_matches_reference_on_the_gpu(monkeypatch, rows, group_size, zeros, act_order, dtype):
+@pytest.mark.parametrize(
+    ("rows", "staging"), [(1, True), (1, False), (3, True), (5, True), (8, True)]
+)
+def test_matches_reference_on_the_gpu(
+    monkeypatch, rows, staging, group_size, zeros, act_order, dtype
+):  # fmt: skip
+    """At one row with the activations staged in shared memory where they fit (and once
+    without), and from 2 rows loaded a step ahead."""
+    if not staging:
+        monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGED", "0")
     ran = record_form_launches(monkeypatch, w4a16_mma, "launch_w4a16_mma")
     weight = make_weight(4096, 1024, group_size, zeros=zeros, act_order=act_order,
                          dtype=dtype, device="cuda")  # fmt: skip
