@@ -390,7 +390,7 @@ def _activation_layout(kt2: int, block_m: int, num_warps: int):
     )
 
 
-def _staging_layout(steps: int, rows: int, block_k: int, num_warps: int):
+def _staging_layout(rows: int, block_k: int, num_warps: int):
     """The activations `[step, row, feature]` as the program loads them to stage them:
     8 features a thread, the lanes over features, then rows, then steps."""
     lanes_k = block_k // 8
@@ -507,7 +507,7 @@ def launch_w4a16_mma(
         SPLIT_K=launch.split_k,
         X_LAYOUT=_activation_layout(kt2, launch.block_m, launch.num_warps),
         STAGED_STEPS=staged,
-        STAGING_LAYOUT=_staging_layout(max(staged, 1), launch.block_m, launch.block_k, launch.num_warps),
+        STAGING_LAYOUT=_staging_layout(launch.block_m, launch.block_k, launch.num_warps),
         STAGED_LAYOUT=_staged_layout(kt2, launch.block_m, launch.num_warps),
         PDL=pdl,
         num_warps=launch.num_warps,
