@@ -28,7 +28,7 @@ import bench_w4a16 as bw  # noqa: E402
 from common import Recorder  # noqa: E402
 
 from batchlm.kernels.pdl import launch_options  # noqa: E402
-from batchlm.kernels.w4a16 import _w4a16_kernel, new_split_k_locks  # noqa: E402
+from batchlm.kernels.w4a16 import _split_k_parts, _w4a16_kernel, new_split_k_locks  # noqa: E402
 from batchlm.kernels.w4a16_launch import MMA, W4a16Launch  # noqa: E402
 from batchlm.kernels.w4a16_mma import launch_w4a16_mma, mma_launch  # noqa: E402
 
@@ -38,11 +38,7 @@ ROWS = (1, 2, 3, 4, 6, 8)
 
 
 def _run(launch: W4a16Launch, x, y, locks, pdl: bool, w: dict) -> None:
-    parts = (
-        y
-        if launch.split_k == 1
-        else torch.empty((launch.split_k, *y.shape), dtype=torch.float32, device=y.device)
-    )
+    parts = _split_k_parts(launch.split_k, locks, y)
     launch_w4a16_mma(x, w["qweight"], w["scales"], None, None, y, parts, locks,
                      group_size=w["group_size"], launch=launch, pdl=pdl)  # fmt: skip
 
