@@ -75,6 +75,14 @@ def fused_qkv_rotary() -> bool:
     return _switch("BATCHLM_FUSED_QKV_ROTARY", True)
 
 
+def w4a16_fusions() -> bool:
+    """BATCHLM_W4A16_FUSIONS: `1` runs a one-token step's int4 q|k|v product with its rotary
+    embedding + cache write in one kernel, and the int4 down projection computing
+    SiLU-and-mul as it stages its row (`gpu_kernels/w4a16_fused.py`), where each is
+    otherwise two kernels. Default off: not yet measured against the two kernels on GPUs."""
+    return _switch("BATCHLM_W4A16_FUSIONS", False)
+
+
 def fused_all_reduce_norm() -> bool:
     """BATCHLM_FUSED_ALL_REDUCE_NORM: `1` sums a row-parallel layer's output over the
     tensor-parallel ranks, adds the residual and applies the RMSNorm after it in one

@@ -31,7 +31,12 @@ from .launch import (
 from .pdl import launch_options, wait_for_previous_kernel
 from .rotary import rotate_pair
 
-__all__ = ["gemv_rotary_into_cache", "gemv_rotary_into_cache_ref", "split_heads"]
+__all__ = [
+    "check_token_rotary",
+    "gemv_rotary_into_cache",
+    "gemv_rotary_into_cache_ref",
+    "split_heads",
+]
 
 
 @triton.jit
@@ -153,21 +158,13 @@ def gemv_rotary_into_cache(
     Returns:
         The rotated queries, a new `[1, num_heads, head_dim]` tensor.
     """
-    check_tensor("x", x, ndim=2, dtypes=(torch.float16, torch.bfloat16), shape={0: 1})
+    check_token_rotary(x, positions, cos_sin, key_cache, value_cache, slot_mapping)
     num_k = x.shape[1]
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=(x.dtype,))
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    check_tensor(
-        "value_cache", value_cache, ndim=4, dtypes=(x.dtype,),
-        shape=dict(enumerate(key_cache.shape)),
-    )  # fmt: skip
     num_rows = (num_heads + 2 * num_kv_heads) * head_dim
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), shape={0: num_rows, 1: num_k})
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, shape={0: num_rows})
-    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, shape={0: 1})
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape={0: 1})
-    check_tensor("cos_sin", cos_sin, ndim=3, dtypes=(torch.float32,), shape={0: 2, 2: head_dim})
     check_same_device(
         _gemv_rotary_kernel,
         x=x, weight=weight, positions=positions, cos_sin=cos_sin, key_cache=key_cache,
@@ -213,6 +210,30 @@ def gemv_rotary_into_cache(
         **launch_options(_gemv_rotary_kernel, x.device),
     )
     return query
+
+
+def check_token_rotary(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`ValueError` naming the argument of a one-token projection + rotary + cache write
+    (`gemv_rotary_into_cache`, `w4a16_fused.w4a16_rotary_into_cache`) that does not fit:
+    `x` `[1, K]` in half precision, the caches in its dtype, one position and slot, a
+    table rotating whole heads."""
+    check_tensor("x", x, ndim=2, dtypes=(torch.float16, torch.bfloat16), shape={0: 1})
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=(x.dtype,))
+    check_tensor(
+        "value_cache", value_cache, ndim=4, dtypes=(x.dtype,),
+        shape=dict(enumerate(key_cache.shape)),
+    )  # fmt: skip
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, shape={0: 1})
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape={0: 1})
+    head_dim = key_cache.shape[3]
+    check_tensor("cos_sin", cos_sin, ndim=3, dtypes=(torch.float32,), shape={0: 2, 2: head_dim})
 
 
 def gemv_rotary_into_cache_ref(

@@ -41,7 +41,10 @@ is `sum_k x_k (q_k - z)`. Activation order gathers the activations through `perm
 The next step's words and scales are loaded while a step is computed. The activations are
 too, or, at one row, all of a program's are staged in shared memory before its first step
 where they fit (`staged_steps`): a step then reads them from there instead of waiting on
-their load, and the kernel holds 30 fewer registers a thread. Split-K,
+their load, and the kernel holds 30 fewer registers a thread; the MLP's down projection
+can compute `silu(gate) * up` as it stages (`w4a16_fused.w4a16_silu_mul`). The q|k|v
+projection can finish its heads with the rotary embedding and the cache write
+(`w4a16_mma_rotary.py`, launched by `w4a16_fused.w4a16_rotary_into_cache`). Split-K,
 the counters and PDL are as in the other W4A16 kernels (`split_k.py`), written out here
 because Gluon does not call `triton.jit` functions.
 
@@ -57,6 +60,7 @@ import torch
 
 from .launch import cdiv, is_interpreted, next_power_of_2, num_sms
 from .w4a16_launch import MMA, W4a16Launch
+from .w4a16_mma_rotary import RotaryCache, epilogue_layout, rotate_into_cache_epilogue
 
 try:  # Gluon is experimental: a Triton without it, or a changed API, disables the form.
     from triton.experimental import gluon
@@ -65,7 +69,14 @@ try:  # Gluon is experimental: a Triton without it, or a changed API, disables t
 except ImportError:  # pragma: no cover - Triton 3.4 and 3.5 have it
     gluon = None
 
-__all__ = ["MAX_ROWS", "launch_w4a16_mma", "mma_available", "mma_launch", "staged_steps"]
+__all__ = [
+    "MAX_ROWS",
+    "launch_w4a16_mma",
+    "mma_available",
+    "mma_launch",
+    "staged_rows",
+    "staged_steps",
+]
 
 MAX_ROWS = 8
 """Rows the form takes: the tensor core's N, 8, holds them."""
@@ -82,10 +93,13 @@ _FEW_ROWS = 3
 _ENV_SWITCH = "BATCHLM_W4A16_MMA"
 # At one row, a program whose activations take at most this many bytes of shared memory
 # stages them there before its first step (same measurements: at 4 rows, and at gate|up's
-# 32 KiB, staging lost).
+# 32 KiB, staging lost). Storing the one row alone takes an eighth of that; its limit is
+# not yet measured.
 _STAGED_MAX_ROWS = 1
 _STAGED_BYTES = 16 * 1024
+_ROW_STAGED_BYTES = 8 * 1024
 _STAGED_SWITCH = "BATCHLM_W4A16_MMA_STAGED"
+_STAGE_ROW_SWITCH = "BATCHLM_W4A16_MMA_STAGE_ROW"
 
 
 def _dequantize_asm(magic: int, one: int, offset: int, fma: str) -> str:
@@ -192,10 +206,14 @@ if gluon is not None:
 
     @gluon.jit
     def _staged_activations(
-        x_smem, step, BLOCK_M: gl.constexpr, KT2: gl.constexpr, layout: gl.constexpr
+        x_smem, step, BLOCK_M: gl.constexpr, KT2: gl.constexpr, STAGED_ROWS: gl.constexpr,
+        layout: gl.constexpr,
     ):  # fmt: skip
-        """The step's activations `[KT2, T, J, M]` from shared memory `[step, row, feature]`."""
+        """The step's activations `[KT2, T, J, M]` from shared memory `[step, row, feature]`:
+        with one staged row, that row in every operand column (those past M are unused)."""
         x = x_smem.index(step).load(layout)
+        if STAGED_ROWS == 1:
+            x, _ = gl.broadcast(x, gl.full([BLOCK_M, 32 * KT2], 0, x.dtype, layout=layout))
         return gl.permute(gl.reshape(x, [BLOCK_M, KT2, 4, 8]), (1, 2, 3, 0))
 
     @gluon.jit
@@ -209,13 +227,23 @@ if gluon is not None:
         part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT_K > 1)
         lock_ptr,  # one int32 counter per program column, zero between calls (SPLIT_K > 1)
         M, N, K, stride_xm, stride_qk, stride_sg, stride_zg, stride_ym,
+        pos_ptr, slot_ptr, cos_sin_ptr, key_cache_ptr, value_cache_ptr,  # ROTARY only
+        stride_cs, stride_cp, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+        stride_vch,
         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_PERM: gl.constexpr,
         NTW: gl.constexpr, KT2: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr,
-        X_LAYOUT: gl.constexpr, STAGED_STEPS: gl.constexpr,
-        STAGING_LAYOUT: gl.constexpr, STAGED_LAYOUT: gl.constexpr, PDL: gl.constexpr,
+        X_LAYOUT: gl.constexpr, STAGED_STEPS: gl.constexpr, STAGED_ROWS: gl.constexpr,
+        STAGED_SMEM_LAYOUT: gl.constexpr, STAGED_VIEW_LAYOUT: gl.constexpr,
+        STAGING_LAYOUT: gl.constexpr, STAGED_LAYOUT: gl.constexpr, ROTARY: gl.constexpr,
+        NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+        CACHE_BLOCK: gl.constexpr, EPILOGUE_LAYOUT: gl.constexpr, SILU_MUL: gl.constexpr,
+        PDL: gl.constexpr,
     ):  # fmt: skip
         """Axis 0: `16 W NTW` outputs; axis 1: the split of K (a multiple of the step,
-        `32 KT2` features, which divides the group)."""
+        `32 KT2` features, which divides the group). With ROTARY, the outputs are q|k|v
+        heads, finished by `w4a16_mma_rotary.rotate_into_cache_epilogue` (y the queries).
+        With SILU_MUL (staged only), x is `[M, 2K]`, `[gate | up]`, and the product is by
+        `silu(gate) * up`, computed as the program stages it."""
         W: gl.constexpr = gl.num_warps()
         BLOCK_N: gl.constexpr = 16 * W * NTW
         BLOCK_K: gl.constexpr = 32 * KT2
@@ -298,11 +326,11 @@ if gluon is not None:
             # Every step's activations into shared memory at once, so that no step waits on
             # their loads: [step, row, feature], read back in the activations' layout.
             x_smem = gl.allocate_shared_memory(
-                dtype, [STAGED_STEPS, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+                dtype, [STAGED_STEPS, STAGED_ROWS, BLOCK_K], STAGED_SMEM_LAYOUT
             )
             sl: gl.constexpr = STAGING_LAYOUT
             ss = gl.arange(0, STAGED_STEPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sl)))
-            sm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl)))
+            sm = gl.arange(0, STAGED_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sl)))
             sk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, sl)))
             s_feats = gl.expand_dims(gl.expand_dims(ss * BLOCK_K, 1), 2) + gl.expand_dims(
                 gl.expand_dims(sk, 0), 1
@@ -313,9 +341,16 @@ if gluon is not None:
                 s_cols = gl.load(perm_ptr + k_start + s_feats, mask=s_feats < k_len, other=0)
             else:
                 s_cols = k_start + s_feats
-            x_smem.store(gl.load(x_ptr + s_rows * stride_xm + s_cols, mask=s_mask, other=0.0))
+            staged_ptrs = x_ptr + s_rows * stride_xm + s_cols
+            xs = gl.load(staged_ptrs, mask=s_mask, other=0.0)
+            if SILU_MUL:  # x is [gate | up]: activation.silu_and_mul's roundings
+                gate = xs.to(gl.float32)
+                up = gl.load(staged_ptrs + K, mask=s_mask, other=0.0).to(gl.float32)
+                act = (gate * (1 / (1 + gl.exp(-gate)))).to(dtype).to(gl.float32)
+                xs = (act * up).to(dtype)
+            x_smem.store(xs)
             x_smem = x_smem._reinterpret(
-                dtype, [STAGED_STEPS, BLOCK_M, BLOCK_K], gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+                dtype, [STAGED_STEPS, STAGED_ROWS, BLOCK_K], STAGED_VIEW_LAYOUT
             )
             gl.thread_barrier()
             for step in range(1, k_len // BLOCK_K):
@@ -325,14 +360,16 @@ if gluon is not None:
                     s_ptrs, z_ptrs, step * BLOCK_K, k_start, stride_sg, stride_zg, GROUP_SIZE,
                     HAS_ZEROS, dtype,
                 )  # fmt: skip
-                x = _staged_activations(x_smem, step - 1, BLOCK_M, KT2, STAGED_LAYOUT)
+                x = _staged_activations(x_smem, step - 1, BLOCK_M, KT2, STAGED_ROWS, STAGED_LAYOUT)
                 acc = _step(
                     acc, words, x, scale, zero_rows, W, KT2, NTW, BLOCK_N, BLOCK_K, BLOCK_M,
                     HAS_ZEROS, p6, a_layout, b_layout, mma,
                 )  # fmt: skip
                 words = words_ahead
                 scale, zero_rows = scales_ahead
-            x = _staged_activations(x_smem, k_len // BLOCK_K - 1, BLOCK_M, KT2, STAGED_LAYOUT)
+            x = _staged_activations(
+                x_smem, k_len // BLOCK_K - 1, BLOCK_M, KT2, STAGED_ROWS, STAGED_LAYOUT
+            )
         else:
             x = _load_activations(x_ptrs, perm_ptrs, x_rows, x_mask, 0, HAS_PERM)
             for k0 in range(BLOCK_K, k_len, BLOCK_K):
@@ -360,7 +397,12 @@ if gluon is not None:
         y_ptrs = y_ptr + rows_y * stride_ym + gl.expand_dims(n_of_v, 1)
         y_mask = rows_y < M
         if SPLIT_K == 1:
-            gl.store(y_ptrs, acc.to(dtype), mask=y_mask)
+            _finish(
+                acc, y_ptrs, y_mask, n0, M, y_ptr, stride_ym, pos_ptr, slot_ptr, cos_sin_ptr,
+                key_cache_ptr, value_cache_ptr, stride_cs, stride_cp, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, dtype, W, NTW, BLOCK_M, ROTARY,
+                NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, EPILOGUE_LAYOUT,
+            )  # fmt: skip
         else:
             split_stride = N.to(gl.int64) * M
             parts = part_ptr + rows_y.to(gl.int64) * N + gl.expand_dims(n_of_v, 1)
@@ -372,8 +414,35 @@ if gluon is not None:
                 for _split in gl.static_range(SPLIT_K):
                     total += gl.load(parts, mask=y_mask, other=0.0, cache_modifier=".cg")
                     parts += split_stride
-                gl.store(y_ptrs, total.to(dtype), mask=y_mask)
+                _finish(
+                    total, y_ptrs, y_mask, n0, M, y_ptr, stride_ym, pos_ptr, slot_ptr,
+                    cos_sin_ptr, key_cache_ptr, value_cache_ptr, stride_cs, stride_cp,
+                    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                    dtype, W, NTW, BLOCK_M, ROTARY, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                    CACHE_BLOCK, EPILOGUE_LAYOUT,
+                )  # fmt: skip
                 gl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed")
+
+    @gluon.jit
+    def _finish(
+        total, y_ptrs, y_mask, n0, M, y_ptr, stride_ym, pos_ptr, slot_ptr, cos_sin_ptr,
+        key_cache_ptr, value_cache_ptr, stride_cs, stride_cp, stride_kcb, stride_kcs,
+        stride_kch, stride_vcb, stride_vcs, stride_vch, dtype: gl.constexpr, W: gl.constexpr,
+        NTW: gl.constexpr, BLOCK_M: gl.constexpr, ROTARY: gl.constexpr,
+        NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+        CACHE_BLOCK: gl.constexpr, EPILOGUE_LAYOUT: gl.constexpr,
+    ):  # fmt: skip
+        """A column's sums `[BLOCK_N, BLOCK_M]` (float32) stored in the activations' dtype,
+        or with ROTARY finished as q|k|v heads (`rotate_into_cache_epilogue`)."""
+        if ROTARY:
+            rotate_into_cache_epilogue(
+                total, n0, M, y_ptr, stride_ym, pos_ptr, slot_ptr, cos_sin_ptr,
+                key_cache_ptr, value_cache_ptr, stride_cs, stride_cp, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, dtype, W, NTW, BLOCK_M,
+                NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, CACHE_BLOCK, EPILOGUE_LAYOUT,
+            )  # fmt: skip
+        else:
+            gl.store(y_ptrs, total.to(dtype), mask=y_mask)
 
 
 def _activation_layout(kt2: int, block_m: int, num_warps: int):
@@ -400,9 +469,12 @@ def _staging_layout(rows: int, block_k: int, num_warps: int):
     )
 
 
-def _staged_layout(kt2: int, block_m: int, num_warps: int):
+def _staged_layout(rows: int, kt2: int, block_m: int, num_warps: int):
     """The activations `[M, 32 KT2]` read back from shared memory in the layout that
-    `_activation_layout` gives `[KT2, T, J, M]`."""
+    `_activation_layout` gives `[KT2, T, J, M]`; from one staged row, a lane's 8 features in
+    registers, the lanes over 4 of them (T), then over the 8 rows, which hold the same row."""
+    if rows == 1:
+        return gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(kt2.bit_length() - 1)],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
@@ -412,19 +484,50 @@ def _staged_layout(kt2: int, block_m: int, num_warps: int):
     )
 
 
+def _staged_smem_layouts(rows: int) -> tuple:
+    """The staged activations' shared layout `[step, row, feature]` as stored, and as the
+    steps read it: 16-byte vectors swizzled over 8 rows, or one row unswizzled."""
+    vec = 1 if rows == 1 else 8
+    return (gl.SwizzledSharedLayout(vec, 1, vec, [2, 1, 0]),
+            gl.SwizzledSharedLayout(vec, 1, vec, [1, 0]))  # fmt: skip
+
+
+def _rotary_args(rotary: RotaryCache | None, unused: torch.Tensor) -> tuple:
+    """The kernel's rotary pointers and strides (`unused` and zeros without)."""
+    if rotary is None:
+        return (unused,) * 5 + (0,) * 8
+    k, v, cs = rotary.key_cache, rotary.value_cache, rotary.cos_sin
+    return (
+        rotary.positions, rotary.slot_mapping, cs, k, v, cs.stride(0), cs.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+    )  # fmt: skip
+
+
+def staged_rows(launch: W4a16Launch) -> int:
+    """The rows a staging program of `launch` stores: all its operand columns' (the one row
+    and zeros), or with `BATCHLM_W4A16_MMA_STAGE_ROW=1` the one row, which each step reads
+    back into every column (not yet measured on a GPU; `docs/performance.md`)."""
+    return 1 if os.environ.get(_STAGE_ROW_SWITCH) == "1" else launch.block_m
+
+
 def staged_steps(
     num_m: int, num_k: int, launch: W4a16Launch, itemsize: int, gathered: bool
 ) -> int:  # fmt: skip
     """How many steps' activations a program of `launch` stages in shared memory before its
     first step (its steps rounded up to a power of 2), or 0 where it loads each step's a
     step ahead instead: it stages one row within `_STAGED_BYTES` (a quarter of it where
-    they are gathered through `perm`, whose indices the staging loads too), and not where
+    they are gathered through `perm`, whose indices the staging loads too), or the row
+    alone (`staged_rows`) within `_ROW_STAGED_BYTES`, and not where
     `BATCHLM_W4A16_MMA_STAGED` is `0`."""
     steps = next_power_of_2(num_k // launch.split_k // launch.block_k)
     if num_m > _STAGED_MAX_ROWS or os.environ.get(_STAGED_SWITCH) == "0":
         return 0
-    limit = _STAGED_BYTES // 4 if gathered else _STAGED_BYTES
-    return steps if steps * launch.block_m * launch.block_k * itemsize <= limit else 0
+    rows = staged_rows(launch)
+    if rows == 1:
+        limit = _ROW_STAGED_BYTES
+    else:
+        limit = _STAGED_BYTES // 4 if gathered else _STAGED_BYTES
+    return steps if steps * rows * launch.block_k * itemsize <= limit else 0
 
 
 def mma_available(device: torch.device) -> bool:
@@ -479,16 +582,25 @@ def launch_w4a16_mma(
     group_size: int,
     launch: W4a16Launch,
     pdl: bool,
+    rotary: RotaryCache | None = None,
+    silu_mul: bool = False,
 ) -> None:
     """Run the form into `out` for operands `w4a16` has checked (x of at most 8 rows in
     bfloat16 or float16, no `g_idx`) and a launch from `mma_launch` (`block_n` 128 dividing
     N, `block_k` dividing the group and K / split_k); `parts`, `locks` and the rest as
-    `launch_w4a16_gemv` takes them, `pdl` from `pdl.launch_options`."""
-    num_m, num_k = x.shape
+    `launch_w4a16_gemv` takes them, `pdl` from `pdl.launch_options`. With `rotary` (from
+    `w4a16_rotary_into_cache`, which checked it), the outputs are q|k|v heads: `out` takes
+    the rotated queries, the cache the rotated keys and the values. With `silu_mul` (a launch
+    that stages its activations, `staged_steps`), `x` is `[gate | up]`, `[M, 2K]`."""
+    num_m, num_k = x.shape[0], qweight.shape[0] * 8
     num_n = qweight.shape[1]
     kt2 = launch.block_k // 32
     ntw = launch.block_n // (16 * launch.num_warps)
     staged = staged_steps(num_m, num_k, launch, x.element_size(), perm is not None)
+    rows = staged_rows(launch)
+    smem_layout, view_layout = _staged_smem_layouts(rows)
+    if silu_mul and not staged:
+        raise ValueError("silu_mul needs a launch that stages its activations (staged_steps)")
     _w4a16_mma_kernel[(cdiv(num_n, launch.block_n), launch.split_k)](
         x, qweight, scales,
         zeros if zeros is not None else qweight,
@@ -498,6 +610,7 @@ def launch_w4a16_mma(
         x.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0,
         out.stride(0),
+        *_rotary_args(rotary, qweight),
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
         HAS_PERM=perm is not None,
@@ -507,8 +620,18 @@ def launch_w4a16_mma(
         SPLIT_K=launch.split_k,
         X_LAYOUT=_activation_layout(kt2, launch.block_m, launch.num_warps),
         STAGED_STEPS=staged,
-        STAGING_LAYOUT=_staging_layout(launch.block_m, launch.block_k, launch.num_warps),
-        STAGED_LAYOUT=_staged_layout(kt2, launch.block_m, launch.num_warps),
+        STAGED_ROWS=rows,
+        STAGED_SMEM_LAYOUT=smem_layout,
+        STAGED_VIEW_LAYOUT=view_layout,
+        STAGING_LAYOUT=_staging_layout(rows, launch.block_k, launch.num_warps),
+        STAGED_LAYOUT=_staged_layout(rows, kt2, launch.block_m, launch.num_warps),
+        ROTARY=rotary is not None,
+        NUM_HEADS=rotary.num_heads if rotary is not None else 0,
+        NUM_KV_HEADS=rotary.key_cache.shape[2] if rotary is not None else 0,
+        HEAD_DIM=rotary.key_cache.shape[3] if rotary is not None else 0,
+        CACHE_BLOCK=rotary.key_cache.shape[1] if rotary is not None else 0,
+        EPILOGUE_LAYOUT=epilogue_layout(launch.block_m, launch.num_warps),
+        SILU_MUL=silu_mul,
         PDL=pdl,
         num_warps=launch.num_warps,
         launch_pdl=pdl,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ class AttentionBackend(ABC):
     def project_rotate_into_cache(
         self,
         hidden_states: torch.Tensor,  # [1, hidden_size]
-        weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
+        weight: Any,  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size], or int4
         bias: torch.Tensor | None,
         num_heads: int,
         positions: torch.Tensor,  # [1]
@@ -117,5 +118,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor | None:
         """For one token: the q|k|v projection, then `rotate_into_cache`, in one pass where
         the backend has one (the rotated queries, `[1, num_heads, head_dim]`). None (the
-        default) when it has not: project, then `rotate_into_cache`."""
+        default) when it has not: project, then `rotate_into_cache`. `weight` is the dense
+        weight, or an int4 layer's operands (`w4a16_fused.W4a16Weight`)."""
         return None

@@ -37,6 +37,7 @@ from batchlm.kernels.prefill_attention import (
     prefill_attention,
 )
 from batchlm.kernels.rotary import rotary_embedding_into_cache
+from batchlm.kernels.w4a16_fused import W4a16Weight, w4a16_rotary_into_cache
 from batchlm.kernels.write_kv_cache import write_kv_cache
 
 from .. import envs
@@ -88,7 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
     def project_rotate_into_cache(
         self,
         hidden_states: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | W4a16Weight,
         bias: torch.Tensor | None,
         num_heads: int,
         positions: torch.Tensor,
@@ -103,17 +104,12 @@ class TritonAttentionBackend(AttentionBackend):
             or not _rotates_into(kv_cache, hidden_states.dtype, cos_sin)
         ):
             return None
-        return gemv_rotary_into_cache(
-            hidden_states,
-            weight,
-            bias,
-            positions,
-            cos_sin,
-            kv_cache[0],
-            kv_cache[1],
-            metadata.slot_mapping,
-            num_heads,
-        )
+        cache = (positions, cos_sin, kv_cache[0], kv_cache[1], metadata.slot_mapping, num_heads)
+        if isinstance(weight, W4a16Weight):  # int4: a bias would be added after the product
+            if bias is not None:
+                return None
+            return w4a16_rotary_into_cache(hidden_states, weight, *cache)
+        return gemv_rotary_into_cache(hidden_states, weight, bias, *cache)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         is_decode_only = (

@@ -142,7 +142,12 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.act, SiluAndMul):  # (GeGLU subclasses set their own)
+            out = self.down_proj.forward_silu_mul(gate_up)  # int4 at one row: one kernel
+            if out is not None:
+                return out
+        return self.down_proj(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

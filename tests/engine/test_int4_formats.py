@@ -180,6 +180,82 @@ def test_a_ranks_share_of_an_activation_ordered_layer_keeps_every_group():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_operands_are_the_layers_int4_tensors(monkeypatch):
+    """What the fused q|k|v + rotary kernel multiplies by (`Int4LinearMethod.operands`) is
+    the layer's own layout: through `w4a16_ref` the checkpoint's dequantized product. None
+    (no fused kernel) unless BATCHLM_W4A16_FUSIONS is 1."""
+    from batchlm.kernels.w4a16 import w4a16_ref
+
+    qz = quantized(act_order=True)
+    part = FORMATS["gptq_v2"].unpack(
+        {leaf: (leaf, t) for leaf, t in pack_gptq(qz, v1=False).items()},
+        ProjectionShape(N, K, 32),
+    )
+    layer = Linear(K, N, bias=False)
+    method = Int4LinearMethod(CPU, torch.float32, 32, False, True)
+    method.create_weights(layer)
+    pack_int4(layer, part, 32, torch.float32)
+    assert method.operands(layer) is None
+    assert method.apply_silu_mul(layer, torch.zeros(1, 2 * K)) is None
+    monkeypatch.setenv("BATCHLM_W4A16_FUSIONS", "1")
+    ops = method.operands(layer)
+    assert ops.qweight is layer.qweight and ops.perm is layer.perm and ops.group_size == 32
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(7))
+    got = w4a16_ref(x, ops.qweight, ops.scales, ops.zeros, group_size=ops.group_size,
+                    perm=ops.perm, g_idx=ops.g_idx)  # fmt: skip
+    torch.testing.assert_close(got, x @ dequantize(qz).T, atol=1e-5, rtol=1e-5)
+
+
+class _FoldingMethod:
+    """Stands in for `Int4LinearMethod` on the CPU: the dense product, and `[gate | up]`
+    taken by itself (recorded) unless `declines`."""
+
+    def __init__(self, declines: bool = False) -> None:
+        self.declines, self.folded = declines, 0
+
+    def apply(self, layer, x):
+        return x @ layer.weight.T
+
+    def apply_silu_mul(self, layer, gate_up):
+        if self.declines:
+            return None
+        self.folded += 1
+        d = gate_up.shape[-1] // 2
+        return (torch.nn.functional.silu(gate_up[:, :d]) * gate_up[:, d:]) @ layer.weight.T
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("declines", [False, True])
+def test_mlp_hands_gate_up_to_a_down_projection_that_takes_it(bias, declines):
+    """`LlamaMLP` gives `[gate | up]` to a down projection whose method computes the
+    activation itself (int4 at one row: `w4a16_silu_mul`), the bias added after; where the
+    method declines, the activation's kernel then the projection, the same output."""
+    from batchlm.engine.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    config = SimpleNamespace(hidden_size=32, intermediate_size=48)
+    mlp = LlamaMLP(config, bias=bias)
+    x = torch.randn(1, 32)
+    want = mlp(x)
+    mlp.down_proj.quant_method = method = _FoldingMethod(declines)
+    torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+    assert method.folded == (0 if declines else 1)
+
+
+def test_geglu_mlp_keeps_its_activation():
+    from batchlm.engine.models.gemma2 import GemmaMLP
+
+    config = SimpleNamespace(
+        hidden_size=32, intermediate_size=48, hidden_activation="gelu_pytorch_tanh"
+    )
+    mlp = GemmaMLP(config)
+    x = torch.randn(1, 32)
+    want = mlp(x)
+    mlp.down_proj.quant_method = method = _FoldingMethod()
+    torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+    assert method.folded == 0
+
+
 def test_words_pack_eight_features_along_k():
     q = torch.randint(0, 16, (32, 5), dtype=torch.uint8)
     words = pack_words(q)

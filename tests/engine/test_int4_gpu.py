@@ -113,3 +113,65 @@ def test_cuda_graphs_match_eager(name, gpu_int4_model):
         free(llm)
     for graph_outs, eager_outs in zip(outputs[False], outputs[True], strict=True):
         assert_same_greedy(graph_outs, eager_outs, "bfloat16")
+
+
+def one_token_runs(path, monkeypatch, module, name: str, variable: str, seed: int) -> dict:
+    """Greedy tokens and logprobs of one request decoded at batch 1 (CUDA graphs) with the
+    environment `variable` at "1" and at "0", each run asserting that `module.name`, a
+    fused kernel's entry, produced output exactly when it was "1"."""
+    fused = getattr(module, name)
+    produced = []
+
+    def counting(*args, **kwargs):
+        out = fused(*args, **kwargs)
+        produced.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, name, counting)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(variable, switch)
+        produced.clear()
+        llm = gpu_engine(path, "bfloat16")
+        out = llm.generate(prompts(seed, [7]), params, use_tqdm=False)[0].outputs[0]
+        runs[switch] = (
+            out.token_ids,
+            [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs],
+        )
+        assert any(produced) == (switch == "1")
+        free(llm)
+    return runs
+
+
+@pytest.mark.parametrize("stage_row", ["0", "1"])
+def test_fused_qkv_rotary_gives_the_two_kernels_bits(gpu_int4_model, monkeypatch, stage_row):
+    """Batch-1 decode steps with the int4 q|k|v product, rotary and cache write in one
+    kernel (BATCHLM_W4A16_FUSIONS=1) give the tokens and logprobs of the two kernels, to
+    the bit, staging every operand column or the row alone."""
+    from batchlm.engine.attention import triton_backend
+
+    monkeypatch.setenv("BATCHLM_W4A16_FUSIONS", "1")
+    monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", stage_row)
+    quantized, _ = gpu_int4_model("gptq-g32-actorder")
+    runs = one_token_runs(quantized, monkeypatch, triton_backend, "w4a16_rotary_into_cache",
+                          "BATCHLM_FUSED_QKV_ROTARY", 9)  # fmt: skip
+    assert runs["1"] == runs["0"]
+
+
+@pytest.mark.parametrize("stage_row", ["0", "1"])
+def test_staged_form_and_folded_activation_give_the_same_bits(
+    gpu_int4_model, monkeypatch, stage_row
+):  # fmt: skip
+    """Batch-1 decode with the one-row form staging its activations (every operand column,
+    or the row alone), the down projection computing SiLU-and-mul as it stages them
+    (`w4a16_silu_mul`, BATCHLM_W4A16_FUSIONS=1), against the form loading them a step
+    ahead after the activation's own kernel: the same tokens and logprobs."""
+    from batchlm.kernels import w4a16_fused
+
+    monkeypatch.setenv("BATCHLM_W4A16_FUSIONS", "1")
+    monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", stage_row)
+    quantized, _ = gpu_int4_model("gptq-g128-sym")
+    runs = one_token_runs(quantized, monkeypatch, w4a16_fused, "w4a16_silu_mul",
+                          "BATCHLM_W4A16_MMA_STAGED", 11)  # fmt: skip
+    assert runs["1"] == runs["0"]

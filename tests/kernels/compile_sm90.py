@@ -43,6 +43,15 @@ class _Recorder:
         return record
 
 
+def stage_row(on: bool) -> None:
+    """Whether the mma.sync form's launches from here stage the one row alone
+    (`w4a16_mma.staged_rows`)."""
+    if on:
+        os.environ["BATCHLM_W4A16_MMA_STAGE_ROW"] = "1"
+    else:
+        os.environ.pop("BATCHLM_W4A16_MMA_STAGE_ROW", None)
+
+
 @contextlib.contextmanager
 def recording(module: Any, *kernel_names: str) -> Iterator[list[_Launch]]:
     """Within the block, the module's kernels record their launches (CPU tensors allowed)."""
@@ -263,8 +272,11 @@ def record_all_launches() -> list[_Launch]:
             (1, 4096, 14336, 128, bf16, False, False, 128, 16),
             (1, 4096, 4096, 32, f16, True, True, 32, 16),
         ]
-        for rows_, n, k, group, dtype, zeros, perm, block_k, split_k in cases:
+        # Each again storing only the row, where one row stages (BATCHLM_W4A16_MMA_STAGE_ROW).
+        cases += [(*case, True) for case in cases if case[0] == 1]
+        for rows_, n, k, group, dtype, zeros, perm, block_k, split_k, *row in cases:
             groups = k // group
+            stage_row(bool(row))
             w4a16_mma.launch_w4a16_mma(
                 torch.zeros(rows_, k, dtype=dtype),
                 torch.zeros(k // 8, n, dtype=torch.int32),
@@ -278,7 +290,59 @@ def record_all_launches() -> list[_Launch]:
                 launch=W4a16Launch(8, 128, block_k, split_k, 4, 1, MMA),
                 pdl=False,
             )
-    launches += got
+    with recording(w4a16_mma, "_w4a16_mma_kernel") as rotary:
+        # The same form finishing q|k|v heads (`w4a16_fused`): Llama-3.1-8B's split in
+        # bf16, and Qwen2.5-0.5B's heads of 64 with zero points and activation order.
+        from batchlm.kernels.w4a16_mma_rotary import RotaryCache
+
+        for heads, kv_heads, head_dim, k, zeros, dtype, split_k, row in (
+            (32, 8, 128, 4096, False, bf16, 8, False),
+            (32, 8, 128, 4096, False, bf16, 8, True),
+            (14, 2, 64, 896, True, f16, 1, True),
+        ):
+            stage_row(row)
+            n = (heads + 2 * kv_heads) * head_dim
+            cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype)
+            index = torch.zeros(1, dtype=torch.int64)
+            w4a16_mma.launch_w4a16_mma(
+                torch.zeros(1, k, dtype=dtype),
+                torch.zeros(k // 8, n, dtype=torch.int32),
+                torch.zeros(k // 128, n, dtype=dtype),
+                torch.zeros(k // 128, n, dtype=torch.uint8) if zeros else None,
+                torch.zeros(k, dtype=torch.int32) if zeros else None,
+                torch.zeros(1, heads * head_dim, dtype=dtype),
+                torch.zeros(split_k, 1, n),
+                w4a16.new_split_k_locks(torch.device("cpu")),
+                group_size=128,
+                launch=W4a16Launch(8, 128, 128, split_k, 4, 1, MMA),
+                pdl=False,
+                rotary=RotaryCache(index, index, torch.zeros(2, 64, head_dim), cache, cache, heads),
+            )
+    with recording(w4a16_mma, "_w4a16_mma_kernel") as silu:
+        # The down projection taking [gate | up] (`w4a16_fused.w4a16_silu_mul`): W3-int4's,
+        # and one with zero points and activation order in float16.
+        for k, zeros, dtype, split_k, row in (
+            (14336, False, bf16, 16, False),
+            (14336, False, bf16, 16, True),
+            (4864, True, f16, 2, True),
+        ):
+            stage_row(row)
+            w4a16_mma.launch_w4a16_mma(
+                torch.zeros(1, 2 * k, dtype=dtype),
+                torch.zeros(k // 8, 4096, dtype=torch.int32),
+                torch.zeros(k // 128, 4096, dtype=dtype),
+                torch.zeros(k // 128, 4096, dtype=torch.uint8) if zeros else None,
+                torch.zeros(k, dtype=torch.int32) if zeros else None,
+                torch.zeros(1, 4096, dtype=dtype),
+                torch.zeros(split_k, 1, 4096),
+                w4a16.new_split_k_locks(torch.device("cpu")),
+                group_size=128,
+                launch=W4a16Launch(8, 128, 128, split_k, 4, 1, MMA),
+                pdl=False,
+                silu_mul=True,
+            )
+    stage_row(False)
+    launches += got + rotary + silu
     with recording(w4a16_wgmma, "_w4a16_wgmma_kernel") as got:
         # The wgmma form (`w4a16` takes it for 65-512 rows on sm_90): W1-int4's gate|up and
         # q|k|v at 256 rows, zero points in float16 with steps of 32, one group per channel.
@@ -364,9 +428,12 @@ MMA_MAX_SHARED_BYTES = 16
 
 def mma_shared_ok(kwargs: dict, shared: int) -> bool:
     """Whether a mma.sync launch's shared memory holds its staged activations
-    (`[STAGED_STEPS, BLOCK_M, 32 KT2]` of 2 bytes) and nothing else but the counter's."""
-    staged = kwargs["STAGED_STEPS"] * kwargs["BLOCK_M"] * 32 * kwargs["KT2"] * 2
-    return staged <= shared <= staged + MMA_MAX_SHARED_BYTES
+    (`[STAGED_STEPS, STAGED_ROWS, 32 KT2]` of 2 bytes) and, with ROTARY, the epilogue's
+    exchange of the float32 sums (`[128, BLOCK_M]`, after the steps), and nothing else but
+    the counter's."""
+    staged = kwargs["STAGED_STEPS"] * kwargs["STAGED_ROWS"] * 32 * kwargs["KT2"] * 2
+    exchange = 128 * kwargs["BLOCK_M"] * 4 if kwargs["ROTARY"] else 0
+    return staged <= shared <= max(staged, exchange) + MMA_MAX_SHARED_BYTES
 
 
 # Kernels whose main loop must be software-pipelined on sm_90 (`cp.async` loads, one shared

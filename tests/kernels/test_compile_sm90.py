@@ -55,3 +55,7 @@ def test_kernels_compile_for_sm90():
                 and line.endswith(": pipelined")
                 for line in compiled
             ), (kernel, scaled)
+    # The mma.sync form staging the one row alone, and its two fused one-token uses.
+    mma = [line for line in compiled if line.startswith("_w4a16_mma_kernel")]
+    for flag in ("'STAGED_ROWS': 1,", "'ROTARY': True", "'SILU_MUL': True"):
+        assert any(flag in line for line in mma), flag

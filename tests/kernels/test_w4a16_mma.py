@@ -87,30 +87,41 @@ def test_split_for_the_llama_8b_shapes_on_132_sms(monkeypatch, rows, n, k, split
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize(
-    ("n", "k", "staged"),
-    [(6144, 4096, 4), (4096, 4096, 2), (28672, 4096, 0), (4096, 14336, 8)],
+    ("n", "k", "staged", "row_staged"),
+    [(6144, 4096, 4, 4), (4096, 4096, 2, 2), (28672, 4096, 0, 16), (4096, 14336, 8, 8)],
     ids=["qkv", "o", "gate_up", "down"],
 )
-def test_activations_staged_for_the_llama_8b_shapes(monkeypatch, rows, n, k, staged):
+def test_activations_staged_for_the_llama_8b_shapes(monkeypatch, rows, n, k, staged, row_staged):
     """At one row, the programs whose activations fit 16 KiB of shared memory stage them
     (down's 7 steps as 8); gate|up's 16 steps do not, nor do more rows (measured slower,
-    docs/performance.md)."""
+    docs/performance.md). Storing the row alone, gate|up's fit 8 KiB too."""
     monkeypatch.setattr(w4a16_mma, "mma_available", lambda device: True)
     monkeypatch.setattr(w4a16_mma, "num_sms", lambda device: 132)
     launch = w4a16_mma.mma_launch(rows, n, k, 128, torch.bfloat16, torch.device("cuda"))
-    want = staged if rows == 1 else 0
+    assert w4a16_mma.staged_rows(launch) == 8
+    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == (
+        staged if rows == 1 else 0
+    )
+    monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", "1")
+    assert w4a16_mma.staged_rows(launch) == 1
+    want = row_staged if rows == 1 else 0
     assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == want
     monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGED", "0")
     assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == 0
 
 
-def test_gathered_activations_staged_within_a_quarter():
+def test_gathered_activations_staged_within_a_quarter(monkeypatch):
     """Activations gathered through `perm` stage within 4 KiB: the staging loads the indices
-    too, in registers the steps need."""
+    too, in registers the steps need. The row alone stages within 8 KiB, gathered or not."""
     launch = W4a16Launch(8, 128, 32, 16, 4, 1, MMA)  # 4096 features: 8 steps of 32
     assert w4a16_mma.staged_steps(1, 4096, launch, 2, gathered=True) == 8
     assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=True) == 0
     assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=False) == 16
+    monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", "1")
+    launch = W4a16Launch(8, 128, 128, 1, 4, 1, MMA)
+    for gathered in (False, True):
+        assert w4a16_mma.staged_steps(1, 4096, launch, 2, gathered=gathered) == 32  # 8 KiB
+        assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=gathered) == 0
 
 
 @pytest.mark.parametrize(
@@ -144,14 +155,16 @@ def test_switched_off_by_the_environment(monkeypatch):
 @pytest.mark.parametrize("zeros", [False, True], ids=["sym", "zeros"])
 @pytest.mark.parametrize("group_size", [32, 64, 128, 4096])
 @pytest.mark.parametrize(
-    ("rows", "staging"), [(1, True), (1, False), (3, True), (5, True), (8, True)]
+    ("rows", "staging"),
+    [(1, "rows"), (1, "row"), (1, "off"), (3, "rows"), (5, "rows"), (8, "rows")],
 )
 def test_matches_reference_on_the_gpu(
     monkeypatch, rows, staging, group_size, zeros, act_order, dtype
 ):  # fmt: skip
-    """At one row with the activations staged in shared memory where they fit (and once
-    without), and from 2 rows loaded a step ahead."""
-    if not staging:
+    """At one row with the activations staged in shared memory where they fit (all operand
+    columns, or the row alone, which gives the same sums; and once without), and from 2
+    rows loaded a step ahead."""
+    if staging == "off":
         monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGED", "0")
     ran = record_form_launches(monkeypatch, w4a16_mma, "launch_w4a16_mma")
     weight = make_weight(4096, 1024, group_size, zeros=zeros, act_order=act_order,
@@ -166,6 +179,9 @@ def test_matches_reference_on_the_gpu(
     assert int(locks.abs().sum()) == 0
     # No counters: one program per column, no split.
     torch.testing.assert_close(w4a16(x, **weight), got, atol=2e-2, rtol=2e-2)
+    if staging == "row":  # the row in every operand column: column 0's sums unchanged
+        monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", "1")
+        torch.testing.assert_close(w4a16(x, **weight, locks=locks), got, atol=0, rtol=0)
 
 
 @gpu

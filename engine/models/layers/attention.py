@@ -88,19 +88,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor | None:
         """A one-token step's `qkv_proj`, then `rotate_into_cache`, in one pass where the
         backend can (the rotated queries; then call `forward` with no key and value), else
-        None. Only a plain projection qualifies: no quantization, LoRA or batch-invariant
-        product, since the backend multiplies by its weight itself."""
+        None. Only a plain projection qualifies, or an int4 one whose method gives its
+        operands (`Int4LinearMethod.operands`): no other quantization, LoRA or
+        batch-invariant product, since the backend multiplies by its weight itself."""
+        method = getattr(qkv_proj, "quant_method", None)
         if (
             hidden_states.shape[0] != 1
             or positions.dim() != 1
-            or getattr(qkv_proj, "quant_method", None) is not None
+            or (method is not None and not hasattr(method, "operands"))
             or getattr(qkv_proj, "lora", None) is not None
             or getattr(qkv_proj, "batch_invariant", False)
         ):
             return None
+        weight = qkv_proj.weight if method is None else method.operands(qkv_proj)
+        if weight is None:
+            return None
         return self.backend.project_rotate_into_cache(
             hidden_states,
-            qkv_proj.weight,
+            weight,
             qkv_proj.bias,
             self.num_heads,
             positions,

@@ -30,6 +30,7 @@ from torch import nn
 
 from batchlm.kernels import use_triton_kernels
 
+from ... import envs
 from .linear import Linear, LinearMethod
 
 __all__ = ["INT4_PARAMS", "Int4LinearMethod", "Int4Part", "pack_int4", "unpack_words"]
@@ -230,6 +231,29 @@ class Int4LinearMethod(LinearMethod):
 
             self._locks = new_split_k_locks(layer.qweight.device)
         layer.quant_method = self
+
+    def operands(self, layer: Linear):  # -> batchlm.kernels.w4a16_fused.W4a16Weight | None
+        """The layer's int4 operands as the fused one-token kernels take them
+        (`w4a16_fused.w4a16_rotary_into_cache`), or None (the layer's product runs alone)
+        unless `BATCHLM_W4A16_FUSIONS` is `1`."""
+        from batchlm.kernels.w4a16_fused import W4a16Weight
+
+        if not envs.w4a16_fusions():
+            return None
+        return W4a16Weight(
+            layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.perm,
+            layer.g_idx, self._locks,
+        )  # fmt: skip
+
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`apply(layer, silu(gate) * up)` in one kernel where `w4a16_silu_mul` takes it (one
+        row) and `operands` gives them, else None."""
+        from batchlm.kernels.w4a16_fused import w4a16_silu_mul
+
+        weight = self.operands(layer)
+        if weight is None or gate_up.dim() != 2:
+            return None
+        return w4a16_silu_mul(gate_up, weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         from batchlm.kernels.w4a16 import w4a16

@@ -146,6 +146,21 @@ class Linear(nn.Linear):
         out = self.base_forward(x)
         return out if self.lora is None else self.lora(x, out)
 
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`self(silu(gate) * up)` from `gate_up = [gate | up]` (`[n, 2 in]`) where the
+        method multiplies `[gate | up]` itself, computing the activation on the way
+        (`Int4LinearMethod.apply_silu_mul`); else None: apply the activation, then the
+        layer. Not with LoRA adapters (they read the activation) or batch invariance."""
+        apply = getattr(self.quant_method, "apply_silu_mul", None)
+        if apply is None or self.lora is not None or self.batch_invariant:
+            return None
+        out = apply(self, gate_up)
+        return None if out is None else self.finish(out)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """The matmul's output (`matmul`) as the layer's: the bias added."""
+        return out if self.bias is None else out + self.bias
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] → [n, out]
         if self.batch_invariant:
             return batch_invariant_linear(x, self.weight, self.bias, self._weight_scale())
@@ -225,6 +240,11 @@ class RowParallelLinear(Linear):
         out = self.matmul(x)
         if self.lora is not None:  # this rank's part, summed by the all-reduce
             out = self.lora(x, out)
+        return self.finish(out)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product as the layer's output: summed over the ranks (unless
+        `reduce_output` is False), then the bias added."""
         if not self.reduce_output:
             return out
         out = self.tp.all_reduce(out)
