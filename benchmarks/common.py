@@ -117,6 +117,8 @@ class Recorder:
         self.commit = git_commit()
         self.device = device_name()
         self.versions = library_versions()
+        self.environment = {k: v for k, v in os.environ.items() if k.startswith("BATCHLM_")}
+        """batchlm's switches set for the run (the command line does not show them)."""
         self.tree = tree
         """Which source tree of batchlm ran, when it is not this checkout's (an A/B of
         two commits, each imported from its own folder)."""
@@ -124,6 +126,8 @@ class Recorder:
     def record(self, **fields) -> None:
         row = {**fields, "device": self.device, "versions": self.versions, "commit": self.commit,
                "command": self.command}  # fmt: skip
+        if self.environment:  # a record naming its own (a variant's process) keeps it
+            row.setdefault("environment", self.environment)
         if self.tree is not None:
             row["tree"] = self.tree
         line = json.dumps(row)

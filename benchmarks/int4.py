@@ -18,6 +18,8 @@ W3 / W3-int4: one 32-token prompt → 256 tokens, the same protocol, ms per toke
 
     python benchmarks/int4.py --out results.jsonl
     python benchmarks/int4.py --variant int4            # one variant, no baseline
+    python benchmarks/int4.py --variant bf16 --variant int4 --variant int4-fusions \
+        --workload W3                                   # A/B of the one-token fusions
     python benchmarks/int4.py --smoke                   # a tiny model (checks the script)
 
 The vLLM side (its Marlin / Machete kernels on the same config) is `benchmarks/vllm_int4.py`.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -68,7 +71,17 @@ GPTQ_CONFIG = dict(
 """What AutoGPTQ / GPTQModel write for a 4-bit, group-128, symmetric checkpoint."""
 SMOKE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512)  # fmt: skip
-VARIANTS = ("bf16", "int4")
+VARIANTS = {
+    "bf16": {},
+    "int4": {},
+    # The int4 variants with the switches of gpu_kernels/w4a16_mma.py and w4a16_fused.py.
+    "int4-stage-row": {"BATCHLM_W4A16_MMA_STAGE_ROW": "1"},
+    "int4-fusions": {"BATCHLM_W4A16_FUSIONS": "1"},
+    "int4-fusions-stage-row": {"BATCHLM_W4A16_FUSIONS": "1", "BATCHLM_W4A16_MMA_STAGE_ROW": "1"},
+    "int4-unstaged": {"BATCHLM_W4A16_MMA_STAGED": "0"},
+}
+"""Each variant's environment, set in its own process (bf16 and int4 run by default)."""
+WORKLOADS = ("W1", "W3")
 NUM_TIMED = 3
 HBM_BYTES_PER_S = 4.23e12
 
@@ -85,15 +98,15 @@ def gptq_config(smoke: bool) -> dict:
 def config_folder(variant: str, smoke: bool) -> Path:
     """A folder holding the variant's config.json alone."""
     shape = {**LLAMA_8B, **(SMOKE if smoke else {})}
-    if variant == "int4":
+    if variant.startswith("int4"):
         shape["quantization_config"] = gptq_config(smoke)
     folder = Path(tempfile.mkdtemp(prefix=f"int4-bench-{variant}-"))
     (folder / "config.json").write_text(json.dumps(shape))
     return folder
 
 
-def run_variant(variant: str, smoke: bool) -> dict:
-    """W1's and W3's figures for one variant (its own engine)."""
+def run_variant(variant: str, smoke: bool, workloads: tuple[str, ...] = WORKLOADS) -> dict:
+    """W1's and W3's figures (those of `workloads`) for one variant (its own engine)."""
     import torch
 
     from batchlm.engine import LLM, SamplingParams
@@ -130,15 +143,19 @@ def run_variant(variant: str, smoke: bool) -> dict:
 
     num_requests = 4 if smoke else 256
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, detokenize=False)
-    batch = timed(
-        lambda s: (
-            [ids(r, 512, vocab) for r in [random.Random(s)] for _ in range(num_requests)],
-            params,
+    batch = single = []
+    if "W1" in workloads:
+        batch = timed(
+            lambda s: (
+                [ids(r, 512, vocab) for r in [random.Random(s)] for _ in range(num_requests)],
+                params,
+            )
         )
-    )
-    single = timed(lambda s: ([ids(random.Random(s), 32, vocab)], params))
+    if "W3" in workloads:
+        single = timed(lambda s: ([ids(random.Random(s), 32, vocab)], params))
     result = dict(
         variant=variant,
+        environment={k: v for k, v in os.environ.items() if k.startswith("BATCHLM_")},
         num_requests=num_requests,
         init_s=init_s,
         w1_runs=[round(n / dt, 1) for dt, n in batch],
@@ -161,46 +178,66 @@ def record(recorder: Recorder, results: dict[str, dict], smoke: bool) -> None:
     label = f"gptq 4-bit g{gptq_config(smoke)['group_size']} sym"
     for variant, r in results.items():
         suffix = "" if variant == "bf16" else "-int4"
-        system = "batchlm" if variant == "bf16" else "batchlm-int4"
-        extra = dict(quantization=label if variant == "int4" else None,
+        system = "batchlm" if variant == "bf16" else f"batchlm-{variant}"
+        extra = dict(quantization=label if variant != "bf16" else None,
                      init_s=r["init_s"], weights_read_gib=r["weights_read_gib"],
                      weights_floor_ms=r["weights_floor_ms"], num_kv_blocks=r["num_kv_blocks"],
                      memory_allocated_gib=r["memory_allocated_gib"], **common)  # fmt: skip
-        w1, w3 = max(r["w1_runs"]), min(r["w3_runs"])
-        base = {}
-        if bf16 is not None and variant != "bf16":
-            b1 = max(bf16["w1_runs"])
-            base = dict(baseline="bf16, same run", baseline_value=b1, ratio=round(w1 / b1, 3))
-        recorder.record(workload=f"W1{suffix}", system=system, metric="output_tok_per_s",
-                        value=w1, runs=r["w1_runs"], num_requests=r["num_requests"], prompt_len=512,
-                        output_len=256, **base, **extra)  # fmt: skip
-        base = {}
-        if bf16 is not None and variant != "bf16":
-            b3 = min(bf16["w3_runs"])
-            base = dict(baseline="bf16, same run", baseline_value=b3, ratio=round(b3 / w3, 3),
-                        time_ratio=round(w3 / b3, 3))  # fmt: skip
-        recorder.record(workload=f"W3{suffix}", system=system, metric="ms_per_token", value=w3,
-                        runs=r["w3_runs"], batch_size=1, prompt_len=32, output_len=256,
-                        **base, **extra)  # fmt: skip
+        if r["environment"]:
+            extra["environment"] = r["environment"]
+        if r["w1_runs"]:
+            record_w1(recorder, r, bf16, system, suffix, extra)
+        if r["w3_runs"]:
+            record_w3(recorder, r, bf16, system, suffix, extra)
+
+
+def record_w1(recorder: Recorder, r: dict, bf16: dict | None, system: str, suffix: str,
+              extra: dict) -> None:  # fmt: skip
+    w1 = max(r["w1_runs"])
+    base = {}
+    if bf16 is not None and bf16["w1_runs"] and r is not bf16:
+        b1 = max(bf16["w1_runs"])
+        base = dict(baseline="bf16, same run", baseline_value=b1, ratio=round(w1 / b1, 3))
+    recorder.record(workload=f"W1{suffix}", system=system, metric="output_tok_per_s", value=w1,
+                    runs=r["w1_runs"], num_requests=r["num_requests"], prompt_len=512,
+                    output_len=256, **base, **extra)  # fmt: skip
+
+
+def record_w3(recorder: Recorder, r: dict, bf16: dict | None, system: str, suffix: str,
+              extra: dict) -> None:  # fmt: skip
+    w3 = min(r["w3_runs"])
+    base = {}
+    if bf16 is not None and bf16["w3_runs"] and r is not bf16:
+        b3 = min(bf16["w3_runs"])
+        base = dict(baseline="bf16, same run", baseline_value=b3, ratio=round(b3 / w3, 3),
+                    time_ratio=round(w3 / b3, 3))  # fmt: skip
+    recorder.record(workload=f"W3{suffix}", system=system, metric="ms_per_token", value=w3,
+                    runs=r["w3_runs"], batch_size=1, prompt_len=32, output_len=256,
+                    **base, **extra)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--variant", action="append", choices=VARIANTS,
+    ap.add_argument("--variant", action="append", choices=list(VARIANTS),
                     help="repeat for several (default: bf16 then int4, each in its own process)")  # fmt: skip
+    ap.add_argument("--workload", action="append", choices=WORKLOADS,
+                    help="repeat for several (default: both)")  # fmt: skip
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (checks the script)")
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    workloads = tuple(args.workload or WORKLOADS)
     if args.result:  # a child: one variant, its figures to a file
-        Path(args.result).write_text(json.dumps(run_variant(args.variant[0], args.smoke)))
+        result = run_variant(args.variant[0], args.smoke, workloads)
+        Path(args.result).write_text(json.dumps(result))
         return 0
     results = {}
-    for variant in args.variant or VARIANTS:
+    for variant in args.variant or ("bf16", "int4"):
         out = Path(tempfile.mkdtemp()) / f"{variant}.json"
         cmd = [sys.executable, __file__, "--variant", variant, "--result", str(out)]
-        cmd += ["--smoke"] if args.smoke else []
-        if subprocess.run(cmd).returncode:
+        cmd += [f"--workload={w}" for w in workloads] + (["--smoke"] if args.smoke else [])
+        env = {**os.environ, **VARIANTS[variant]}
+        if subprocess.run(cmd, env=env).returncode:
             return 1
         results[variant] = json.loads(out.read_text())
     record(Recorder(args.out), results, args.smoke)
