@@ -329,13 +329,25 @@ def _check_operands(
     return num_m, num_n, num_k
 
 
-def _split_k_parts(split_k: int, locks: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+def _split_k_parts(
+    split_k: int, locks: torch.Tensor | None, y: torch.Tensor, num_n: int | None = None
+) -> torch.Tensor:  # fmt: skip
     """The float32 workspace `[split_k, M, N]` of a split-K call into `y` (its locks
-    checked), or `y` itself (unused by the kernels) without a split."""
+    checked), or `y` itself (unused by the kernels) without a split. N is `y`'s width, or
+    `num_n` where `y` takes only some of the outputs (the queries of a q|k|v product)."""
     if split_k == 1:
         return y
     check_tensor("locks", locks, ndim=1, dtypes=(torch.int32,))
-    return torch.empty((split_k, *y.shape), dtype=torch.float32, device=y.device)
+    shape = (split_k, y.shape[0], y.shape[1] if num_n is None else num_n)
+    return torch.empty(shape, dtype=torch.float32, device=y.device)
+
+
+def _mma_split(launch: W4a16Launch, locks: torch.Tensor | None, num_n: int) -> W4a16Launch:
+    """The mma.sync form's `launch` as it runs: split over K only where `locks` holds a
+    counter for each column of programs."""
+    if locks is None or locks.numel() < cdiv(num_n, launch.block_n):
+        return launch._replace(split_k=1)
+    return launch
 
 
 def register_form_launch(
@@ -425,8 +437,7 @@ def w4a16(
     if not any(v is not None for v in launch.values()) and g_idx is None:
         form = register_form_launch(num_m, num_n, num_k, group_size, x.dtype, device)
     if isinstance(form, W4a16Launch):
-        if locks is None or locks.numel() < cdiv(num_n, form.block_n):
-            form = form._replace(split_k=1)
+        form = _mma_split(form, locks, num_n)
         parts = _split_k_parts(form.split_k, locks, y)
         launch_w4a16_mma(
             x, qweight, scales, zeros, perm, y, parts, locks, group_size=group_size,

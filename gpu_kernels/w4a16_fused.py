@@ -33,7 +33,7 @@ from .gemv_rotary import check_token_rotary, split_heads
 from .launch import check_tensor
 from .pdl import launch_options
 from .rotary import rotary_embedding_into_cache_ref
-from .w4a16 import _check_operands, _w4a16_kernel, w4a16_ref
+from .w4a16 import _check_operands, _mma_split, _split_k_parts, _w4a16_kernel, w4a16_ref
 from .w4a16_launch import W4a16Launch
 from .w4a16_mma import launch_w4a16_mma, mma_launch, staged_steps
 from .w4a16_mma_rotary import RotaryCache
@@ -179,10 +179,7 @@ def _form_launch(
     launch = mma_launch(num_m, num_n, num_k, weight.group_size, x.dtype, x.device)
     if launch is None or weight.g_idx is not None:
         return None
-    locks = weight.locks
-    if locks is None or locks.numel() < num_n // launch.block_n:
-        launch = launch._replace(split_k=1)
-    return launch
+    return _mma_split(launch, weight.locks, num_n)
 
 
 def _run(
@@ -190,10 +187,7 @@ def _run(
     **fusion: object,
 ) -> None:  # fmt: skip
     """`launch_w4a16_mma` into `out` with its split-K workspace, and the `fusion` keyword."""
-    parts = out  # unused without a split
-    if launch.split_k > 1:
-        parts = torch.empty((launch.split_k, x.shape[0], num_n), dtype=torch.float32,
-                            device=x.device)  # fmt: skip
+    parts = _split_k_parts(launch.split_k, weight.locks, out, num_n)
     launch_w4a16_mma(
         x, weight.qweight, weight.scales, weight.zeros, weight.perm, out, parts, weight.locks,
         group_size=weight.group_size, launch=launch,
