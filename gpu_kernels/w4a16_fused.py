@@ -35,8 +35,9 @@ from .pdl import launch_options
 from .rotary import rotary_embedding_into_cache_ref
 from .w4a16 import _check_operands, _mma_split, _split_k_parts, _w4a16_kernel, w4a16_ref
 from .w4a16_launch import W4a16Launch
-from .w4a16_mma import launch_w4a16_mma, mma_launch, staged_steps
+from .w4a16_mma import launch_w4a16_mma, mma_launch
 from .w4a16_mma_rotary import RotaryCache
+from .w4a16_mma_staging import staged_steps
 
 __all__ = [
     "W4a16Weight",

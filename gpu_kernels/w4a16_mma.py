@@ -40,7 +40,7 @@ enter as the first term of each step's sum: the tensor core multiplies a matrix 
 is `sum_k x_k (q_k - z)`. Activation order gathers the activations through `perm`.
 The next step's words and scales are loaded while a step is computed. The activations are
 too, or, at one row, all of a program's are staged in shared memory before its first step
-where they fit (`staged_steps`): a step then reads them from there instead of waiting on
+where they fit (`w4a16_mma_staging.py`): a step then reads them from there instead of waiting on
 their load, and the kernel holds 30 fewer registers a thread; the MLP's down projection
 can compute `silu(gate) * up` as it stages (`w4a16_fused.w4a16_silu_mul`). The q|k|v
 projection can finish its heads with the rotary embedding and the cache write
@@ -54,13 +54,20 @@ Not under Triton's CPU interpreter (it runs no Gluon): there, and on devices bef
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from .launch import cdiv, is_interpreted, next_power_of_2, num_sms
+from .launch import cdiv, is_interpreted, num_sms
 from .w4a16_launch import MMA, W4a16Launch
-from .w4a16_mma_rotary import RotaryCache, epilogue_layout, rotate_into_cache_epilogue
+from .w4a16_mma_rotary import (
+    RotaryCache,
+    epilogue_layout,
+    rotary_args,
+    rotate_into_cache_epilogue,
+)
+from .w4a16_mma_staging import staged_rows, staged_steps, staging_layouts
 
 try:  # Gluon is experimental: a Triton without it, or a changed API, disables the form.
     from triton.experimental import gluon
@@ -69,14 +76,7 @@ try:  # Gluon is experimental: a Triton without it, or a changed API, disables t
 except ImportError:  # pragma: no cover - Triton 3.4 and 3.5 have it
     gluon = None
 
-__all__ = [
-    "MAX_ROWS",
-    "launch_w4a16_mma",
-    "mma_available",
-    "mma_launch",
-    "staged_rows",
-    "staged_steps",
-]
+__all__ = ["MAX_ROWS", "launch_w4a16_mma", "mma_available", "mma_launch"]
 
 MAX_ROWS = 8
 """Rows the form takes: the tensor core's N, 8, holds them."""
@@ -91,15 +91,6 @@ _PROGRAMS_PER_SM = 2.5
 _MAX_SPLIT = 16
 _FEW_ROWS = 3
 _ENV_SWITCH = "BATCHLM_W4A16_MMA"
-# At one row, a program whose activations take at most this many bytes of shared memory
-# stages them there before its first step (same measurements: at 4 rows, and at gate|up's
-# 32 KiB, staging lost). Storing the one row alone takes an eighth of that; its limit is
-# not yet measured.
-_STAGED_MAX_ROWS = 1
-_STAGED_BYTES = 16 * 1024
-_ROW_STAGED_BYTES = 8 * 1024
-_STAGED_SWITCH = "BATCHLM_W4A16_MMA_STAGED"
-_STAGE_ROW_SWITCH = "BATCHLM_W4A16_MMA_STAGE_ROW"
 
 
 def _dequantize_asm(magic: int, one: int, offset: int, fma: str) -> str:
@@ -445,6 +436,7 @@ if gluon is not None:
             gl.store(y_ptrs, total.to(dtype), mask=y_mask)
 
 
+@functools.cache
 def _activation_layout(kt2: int, block_m: int, num_warps: int):
     """The activations `[KT2, T, J, M]` as every warp holds them: a lane's 8 features J in
     registers (one 16-byte load per row), T and M over the lanes as the tensor core's
@@ -457,77 +449,6 @@ def _activation_layout(kt2: int, block_m: int, num_warps: int):
         block_bases=[],
         shape=[kt2, 4, 8, block_m],
     )
-
-
-def _staging_layout(rows: int, block_k: int, num_warps: int):
-    """The activations `[step, row, feature]` as the program loads them to stage them:
-    8 features a thread, the lanes over features, then rows, then steps."""
-    lanes_k = block_k // 8
-    lanes_m = min(rows, 32 // lanes_k)
-    return gl.BlockedLayout(
-        [1, 1, 8], [32 // (lanes_k * lanes_m), lanes_m, lanes_k], [num_warps, 1, 1], [2, 1, 0]
-    )
-
-
-def _staged_layout(rows: int, kt2: int, block_m: int, num_warps: int):
-    """The activations `[M, 32 KT2]` read back from shared memory in the layout that
-    `_activation_layout` gives `[KT2, T, J, M]`; from one staged row, a lane's 8 features in
-    registers, the lanes over 4 of them (T), then over the 8 rows, which hold the same row."""
-    if rows == 1:
-        return gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(kt2.bit_length() - 1)],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 0] for _ in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[block_m, 32 * kt2],
-    )
-
-
-def _staged_smem_layouts(rows: int) -> tuple:
-    """The staged activations' shared layout `[step, row, feature]` as stored, and as the
-    steps read it: 16-byte vectors swizzled over 8 rows, or one row unswizzled."""
-    vec = 1 if rows == 1 else 8
-    return (gl.SwizzledSharedLayout(vec, 1, vec, [2, 1, 0]),
-            gl.SwizzledSharedLayout(vec, 1, vec, [1, 0]))  # fmt: skip
-
-
-def _rotary_args(rotary: RotaryCache | None, unused: torch.Tensor) -> tuple:
-    """The kernel's rotary pointers and strides (`unused` and zeros without)."""
-    if rotary is None:
-        return (unused,) * 5 + (0,) * 8
-    k, v, cs = rotary.key_cache, rotary.value_cache, rotary.cos_sin
-    return (
-        rotary.positions, rotary.slot_mapping, cs, k, v, cs.stride(0), cs.stride(1),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-    )  # fmt: skip
-
-
-def staged_rows(launch: W4a16Launch) -> int:
-    """The rows a staging program of `launch` stores: all its operand columns' (the one row
-    and zeros), or with `BATCHLM_W4A16_MMA_STAGE_ROW=1` the one row, which each step reads
-    back into every column (not yet measured on a GPU; `docs/performance.md`)."""
-    return 1 if os.environ.get(_STAGE_ROW_SWITCH) == "1" else launch.block_m
-
-
-def staged_steps(
-    num_m: int, num_k: int, launch: W4a16Launch, itemsize: int, gathered: bool
-) -> int:  # fmt: skip
-    """How many steps' activations a program of `launch` stages in shared memory before its
-    first step (its steps rounded up to a power of 2), or 0 where it loads each step's a
-    step ahead instead: it stages one row within `_STAGED_BYTES` (a quarter of it where
-    they are gathered through `perm`, whose indices the staging loads too), or the row
-    alone (`staged_rows`) within `_ROW_STAGED_BYTES`, and not where
-    `BATCHLM_W4A16_MMA_STAGED` is `0`."""
-    steps = next_power_of_2(num_k // launch.split_k // launch.block_k)
-    if num_m > _STAGED_MAX_ROWS or os.environ.get(_STAGED_SWITCH) == "0":
-        return 0
-    rows = staged_rows(launch)
-    if rows == 1:
-        limit = _ROW_STAGED_BYTES
-    else:
-        limit = _STAGED_BYTES // 4 if gathered else _STAGED_BYTES
-    return steps if steps * rows * launch.block_k * itemsize <= limit else 0
 
 
 def mma_available(device: torch.device) -> bool:
@@ -598,7 +519,9 @@ def launch_w4a16_mma(
     ntw = launch.block_n // (16 * launch.num_warps)
     staged = staged_steps(num_m, num_k, launch, x.element_size(), perm is not None)
     rows = staged_rows(launch)
-    smem_layout, view_layout = _staged_smem_layouts(rows)
+    smem_layout, view_layout, staging_layout, staged_layout = staging_layouts(
+        rows, kt2, launch.block_m, launch.num_warps
+    )
     if silu_mul and not staged:
         raise ValueError("silu_mul needs a launch that stages its activations (staged_steps)")
     _w4a16_mma_kernel[(cdiv(num_n, launch.block_n), launch.split_k)](
@@ -610,7 +533,7 @@ def launch_w4a16_mma(
         x.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0,
         out.stride(0),
-        *_rotary_args(rotary, qweight),
+        *rotary_args(rotary, qweight),
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
         HAS_PERM=perm is not None,
@@ -623,8 +546,8 @@ def launch_w4a16_mma(
         STAGED_ROWS=rows,
         STAGED_SMEM_LAYOUT=smem_layout,
         STAGED_VIEW_LAYOUT=view_layout,
-        STAGING_LAYOUT=_staging_layout(rows, launch.block_k, launch.num_warps),
-        STAGED_LAYOUT=_staged_layout(rows, kt2, launch.block_m, launch.num_warps),
+        STAGING_LAYOUT=staging_layout,
+        STAGED_LAYOUT=staged_layout,
         ROTARY=rotary is not None,
         NUM_HEADS=rotary.num_heads if rotary is not None else 0,
         NUM_KV_HEADS=rotary.key_cache.shape[2] if rotary is not None else 0,

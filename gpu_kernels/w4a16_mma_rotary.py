@@ -5,6 +5,7 @@ the paged cache. Gluon, as the form is: it cannot call the `triton.jit` helpers.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ try:  # as in w4a16_mma.py
 except ImportError:  # pragma: no cover
     gluon = None
 
-__all__ = ["RotaryCache", "epilogue_layout", "rotate_into_cache_epilogue"]
+__all__ = ["RotaryCache", "epilogue_layout", "rotary_args", "rotate_into_cache_epilogue"]
 
 
 class RotaryCache(NamedTuple):
@@ -91,6 +92,18 @@ if gluon is not None:
         gl.store(v + HALF, x2, mask=is_val)
 
 
+def rotary_args(rotary: RotaryCache | None, unused: torch.Tensor) -> tuple:
+    """The kernel's rotary pointers and strides (`unused` and zeros without)."""
+    if rotary is None:
+        return (unused,) * 5 + (0,) * 8
+    k, v, cs = rotary.key_cache, rotary.value_cache, rotary.cos_sin
+    return (
+        rotary.positions, rotary.slot_mapping, cs, k, v, cs.stride(0), cs.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+    )  # fmt: skip
+
+
+@functools.cache
 def epilogue_layout(block_m: int, num_warps: int):
     """The epilogue's `[heads, 2, head_dim / 2, rows]`: both halves of a pair in one
     thread, the lanes over the rows, then channels; the warps over channels."""

@@ -45,7 +45,7 @@ class _Recorder:
 
 def stage_row(on: bool) -> None:
     """Whether the mma.sync form's launches from here stage the one row alone
-    (`w4a16_mma.staged_rows`)."""
+    (`w4a16_mma_staging.staged_rows`)."""
     if on:
         os.environ["BATCHLM_W4A16_MMA_STAGE_ROW"] = "1"
     else:

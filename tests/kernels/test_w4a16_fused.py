@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchlm.kernels import w4a16_mma
+from batchlm.kernels import w4a16_mma, w4a16_mma_staging
 from batchlm.kernels.activation import silu_and_mul
 from batchlm.kernels.gemv_rotary import gemv_rotary_into_cache_ref, split_heads
 from batchlm.kernels.rotary import rotary_embedding_into_cache
@@ -211,7 +211,7 @@ def test_silu_mul_equals_the_two_kernels_on_the_gpu(
     launch = w4a16_mma.mma_launch(1, hidden, inter, group, dtype, gate_up.device)
     if locks is None:
         launch = launch._replace(split_k=1)
-    staged = w4a16_mma.staged_steps(1, inter, launch, gate_up.element_size(), act_order)
+    staged = w4a16_mma_staging.staged_steps(1, inter, launch, gate_up.element_size(), act_order)
     assert staged or stage_row == "0"
     got = w4a16_silu_mul(gate_up, _weight(tensors, locks))
     if not staged:

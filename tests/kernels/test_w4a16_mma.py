@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchlm.kernels import w4a16_mma
+from batchlm.kernels import w4a16_mma, w4a16_mma_staging
 from batchlm.kernels.w4a16 import new_split_k_locks, unpack_int4_ref, w4a16, w4a16_ref
 from batchlm.kernels.w4a16_launch import MMA, W4a16Launch
 
@@ -98,30 +98,30 @@ def test_activations_staged_for_the_llama_8b_shapes(monkeypatch, rows, n, k, sta
     monkeypatch.setattr(w4a16_mma, "mma_available", lambda device: True)
     monkeypatch.setattr(w4a16_mma, "num_sms", lambda device: 132)
     launch = w4a16_mma.mma_launch(rows, n, k, 128, torch.bfloat16, torch.device("cuda"))
-    assert w4a16_mma.staged_rows(launch) == 8
-    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == (
+    assert w4a16_mma_staging.staged_rows(launch) == 8
+    assert w4a16_mma_staging.staged_steps(rows, k, launch, 2, gathered=False) == (
         staged if rows == 1 else 0
     )
     monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", "1")
-    assert w4a16_mma.staged_rows(launch) == 1
+    assert w4a16_mma_staging.staged_rows(launch) == 1
     want = row_staged if rows == 1 else 0
-    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == want
+    assert w4a16_mma_staging.staged_steps(rows, k, launch, 2, gathered=False) == want
     monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGED", "0")
-    assert w4a16_mma.staged_steps(rows, k, launch, 2, gathered=False) == 0
+    assert w4a16_mma_staging.staged_steps(rows, k, launch, 2, gathered=False) == 0
 
 
 def test_gathered_activations_staged_within_a_quarter(monkeypatch):
     """Activations gathered through `perm` stage within 4 KiB: the staging loads the indices
     too, in registers the steps need. The row alone stages within 8 KiB, gathered or not."""
     launch = W4a16Launch(8, 128, 32, 16, 4, 1, MMA)  # 4096 features: 8 steps of 32
-    assert w4a16_mma.staged_steps(1, 4096, launch, 2, gathered=True) == 8
-    assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=True) == 0
-    assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=False) == 16
+    assert w4a16_mma_staging.staged_steps(1, 4096, launch, 2, gathered=True) == 8
+    assert w4a16_mma_staging.staged_steps(1, 8192, launch, 2, gathered=True) == 0
+    assert w4a16_mma_staging.staged_steps(1, 8192, launch, 2, gathered=False) == 16
     monkeypatch.setenv("BATCHLM_W4A16_MMA_STAGE_ROW", "1")
     launch = W4a16Launch(8, 128, 128, 1, 4, 1, MMA)
     for gathered in (False, True):
-        assert w4a16_mma.staged_steps(1, 4096, launch, 2, gathered=gathered) == 32  # 8 KiB
-        assert w4a16_mma.staged_steps(1, 8192, launch, 2, gathered=gathered) == 0
+        assert w4a16_mma_staging.staged_steps(1, 4096, launch, 2, gathered=gathered) == 32  # 8 KiB
+        assert w4a16_mma_staging.staged_steps(1, 8192, launch, 2, gathered=gathered) == 0
 
 
 @pytest.mark.parametrize(
