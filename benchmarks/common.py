@@ -95,6 +95,11 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) 
     return [torch.randint(16, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
+def batchlm_environment() -> dict[str, str]:
+    """The `BATCHLM_*` variables set in this process: the engine's switches."""
+    return {k: v for k, v in os.environ.items() if k.startswith("BATCHLM_")}
+
+
 class Timer:
     def __enter__(self) -> Timer:
         if torch.cuda.is_available():
@@ -117,7 +122,7 @@ class Recorder:
         self.commit = git_commit()
         self.device = device_name()
         self.versions = library_versions()
-        self.environment = {k: v for k, v in os.environ.items() if k.startswith("BATCHLM_")}
+        self.environment = batchlm_environment()
         """batchlm's switches set for the run (the command line does not show them)."""
         self.tree = tree
         """Which source tree of batchlm ran, when it is not this checkout's (an A/B of

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Recorder
+from common import Recorder, batchlm_environment
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"],
@@ -155,7 +155,7 @@ def run_variant(variant: str, smoke: bool, workloads: tuple[str, ...] = WORKLOAD
         single = timed(lambda s: ([ids(random.Random(s), 32, vocab)], params))
     result = dict(
         variant=variant,
-        environment={k: v for k, v in os.environ.items() if k.startswith("BATCHLM_")},
+        environment=batchlm_environment(),
         num_requests=num_requests,
         init_s=init_s,
         w1_runs=[round(n / dt, 1) for dt, n in batch],
@@ -185,35 +185,24 @@ def record(recorder: Recorder, results: dict[str, dict], smoke: bool) -> None:
                      memory_allocated_gib=r["memory_allocated_gib"], **common)  # fmt: skip
         if r["environment"]:
             extra["environment"] = r["environment"]
-        if r["w1_runs"]:
-            record_w1(recorder, r, bf16, system, suffix, extra)
-        if r["w3_runs"]:
-            record_w3(recorder, r, bf16, system, suffix, extra)
-
-
-def record_w1(recorder: Recorder, r: dict, bf16: dict | None, system: str, suffix: str,
-              extra: dict) -> None:  # fmt: skip
-    w1 = max(r["w1_runs"])
-    base = {}
-    if bf16 is not None and bf16["w1_runs"] and r is not bf16:
-        b1 = max(bf16["w1_runs"])
-        base = dict(baseline="bf16, same run", baseline_value=b1, ratio=round(w1 / b1, 3))
-    recorder.record(workload=f"W1{suffix}", system=system, metric="output_tok_per_s", value=w1,
-                    runs=r["w1_runs"], num_requests=r["num_requests"], prompt_len=512,
-                    output_len=256, **base, **extra)  # fmt: skip
-
-
-def record_w3(recorder: Recorder, r: dict, bf16: dict | None, system: str, suffix: str,
-              extra: dict) -> None:  # fmt: skip
-    w3 = min(r["w3_runs"])
-    base = {}
-    if bf16 is not None and bf16["w3_runs"] and r is not bf16:
-        b3 = min(bf16["w3_runs"])
-        base = dict(baseline="bf16, same run", baseline_value=b3, ratio=round(b3 / w3, 3),
-                    time_ratio=round(w3 / b3, 3))  # fmt: skip
-    recorder.record(workload=f"W3{suffix}", system=system, metric="ms_per_token", value=w3,
-                    runs=r["w3_runs"], batch_size=1, prompt_len=32, output_len=256,
-                    **base, **extra)  # fmt: skip
+        for workload, key, metric, best, fields in (
+            ("W1", "w1_runs", "output_tok_per_s", max,
+             dict(num_requests=r["num_requests"], prompt_len=512, output_len=256)),
+            ("W3", "w3_runs", "ms_per_token", min,
+             dict(batch_size=1, prompt_len=32, output_len=256)),
+        ):  # fmt: skip
+            if not r[key]:
+                continue
+            value = best(r[key])
+            base = {}
+            if bf16 is not None and bf16[key] and r is not bf16:
+                b = best(bf16[key])
+                speed = value / b if best is max else b / value  # int4's speed over bf16's
+                base = dict(baseline="bf16, same run", baseline_value=b, ratio=round(speed, 3))
+                if best is min:  # and the times' ratio, the inverse
+                    base["time_ratio"] = round(value / b, 3)
+            recorder.record(workload=workload + suffix, system=system, metric=metric,
+                            value=value, runs=r[key], **fields, **base, **extra)  # fmt: skip
 
 
 def main() -> int:
