@@ -52,6 +52,35 @@ def stage_row(on: bool) -> None:
         os.environ.pop("BATCHLM_W4A16_MMA_STAGE_ROW", None)
 
 
+def launch_mma_zeros(
+    rows: int, n: int, k: int, group: int, dtype: torch.dtype, zeros: bool, perm: bool,
+    block_k: int, split_k: int, *, row: bool = False, x_cols: int | None = None,
+    out_cols: int | None = None, **fusion: Any,
+) -> None:  # fmt: skip
+    """One launch of the mma.sync form on zero operands of its shapes (`x` `[rows,
+    x_cols or k]`, the output `[rows, out_cols or n]`), storing the row alone where `row`,
+    with the fused kernels' `fusion` arguments."""
+    from batchlm.kernels import w4a16, w4a16_mma
+    from batchlm.kernels.w4a16_launch import MMA, W4a16Launch
+
+    stage_row(row)
+    groups = k // group
+    w4a16_mma.launch_w4a16_mma(
+        torch.zeros(rows, x_cols or k, dtype=dtype),
+        torch.zeros(k // 8, n, dtype=torch.int32),
+        torch.zeros(groups, n, dtype=dtype),
+        torch.zeros(groups, n, dtype=torch.uint8) if zeros else None,
+        torch.zeros(k, dtype=torch.int32) if perm else None,
+        torch.zeros(rows, out_cols or n, dtype=dtype),
+        torch.zeros(split_k, rows, n),
+        w4a16.new_split_k_locks(torch.device("cpu")),
+        group_size=group,
+        launch=W4a16Launch(8, 128, block_k, split_k, 4, 1, MMA),
+        pdl=False,
+        **fusion,
+    )
+
+
 @contextlib.contextmanager
 def recording(module: Any, *kernel_names: str) -> Iterator[list[_Launch]]:
     """Within the block, the module's kernels record their launches (CPU tensors allowed)."""
@@ -261,7 +290,7 @@ def record_all_launches() -> list[_Launch]:
         # The mma.sync form (`w4a16` takes it for 1-8 rows on the device; called here
         # directly, as the CPU has no device for it to choose): W3-int4's gate|up, zero
         # points with activation order in float16, groups of 64 and one group per channel.
-        from batchlm.kernels.w4a16_launch import MMA, W4a16Launch
+        from batchlm.kernels.w4a16_mma_rotary import RotaryCache
 
         cases = [  # rows, n, k, group, dtype, zeros, perm, block_k, split_k
             (1, 28672, 4096, 128, bf16, False, False, 128, 2),
@@ -272,53 +301,27 @@ def record_all_launches() -> list[_Launch]:
             (1, 4096, 14336, 128, bf16, False, False, 128, 16),
             (1, 4096, 4096, 32, f16, True, True, 32, 16),
         ]
+        for case in cases:
+            launch_mma_zeros(*case)
         # Each again storing only the row, where one row stages (BATCHLM_W4A16_MMA_STAGE_ROW).
-        cases += [(*case, True) for case in cases if case[0] == 1]
-        for rows_, n, k, group, dtype, zeros, perm, block_k, split_k, *row in cases:
-            groups = k // group
-            stage_row(bool(row))
-            w4a16_mma.launch_w4a16_mma(
-                torch.zeros(rows_, k, dtype=dtype),
-                torch.zeros(k // 8, n, dtype=torch.int32),
-                torch.zeros(groups, n, dtype=dtype),
-                torch.zeros(groups, n, dtype=torch.uint8) if zeros else None,
-                torch.zeros(k, dtype=torch.int32) if perm else None,
-                torch.zeros(rows_, n, dtype=dtype),
-                torch.zeros(split_k, rows_, n),
-                w4a16.new_split_k_locks(torch.device("cpu")),
-                group_size=group,
-                launch=W4a16Launch(8, 128, block_k, split_k, 4, 1, MMA),
-                pdl=False,
-            )
-    with recording(w4a16_mma, "_w4a16_mma_kernel") as rotary:
+        for case in cases:
+            if case[0] == 1:
+                launch_mma_zeros(*case, row=True)
         # The same form finishing q|k|v heads (`w4a16_fused`): Llama-3.1-8B's split in
         # bf16, and Qwen2.5-0.5B's heads of 64 with zero points and activation order.
-        from batchlm.kernels.w4a16_mma_rotary import RotaryCache
-
         for heads, kv_heads, head_dim, k, zeros, dtype, split_k, row in (
             (32, 8, 128, 4096, False, bf16, 8, False),
             (32, 8, 128, 4096, False, bf16, 8, True),
             (14, 2, 64, 896, True, f16, 1, True),
         ):
-            stage_row(row)
             n = (heads + 2 * kv_heads) * head_dim
             cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=dtype)
             index = torch.zeros(1, dtype=torch.int64)
-            w4a16_mma.launch_w4a16_mma(
-                torch.zeros(1, k, dtype=dtype),
-                torch.zeros(k // 8, n, dtype=torch.int32),
-                torch.zeros(k // 128, n, dtype=dtype),
-                torch.zeros(k // 128, n, dtype=torch.uint8) if zeros else None,
-                torch.zeros(k, dtype=torch.int32) if zeros else None,
-                torch.zeros(1, heads * head_dim, dtype=dtype),
-                torch.zeros(split_k, 1, n),
-                w4a16.new_split_k_locks(torch.device("cpu")),
-                group_size=128,
-                launch=W4a16Launch(8, 128, 128, split_k, 4, 1, MMA),
-                pdl=False,
+            launch_mma_zeros(
+                1, n, k, 128, dtype, zeros, zeros, 128, split_k, row=row,
+                out_cols=heads * head_dim,
                 rotary=RotaryCache(index, index, torch.zeros(2, 64, head_dim), cache, cache, heads),
-            )
-    with recording(w4a16_mma, "_w4a16_mma_kernel") as silu:
+            )  # fmt: skip
         # The down projection taking [gate | up] (`w4a16_fused.w4a16_silu_mul`): W3-int4's,
         # and one with zero points and activation order in float16.
         for k, zeros, dtype, split_k, row in (
@@ -326,23 +329,10 @@ def record_all_launches() -> list[_Launch]:
             (14336, False, bf16, 16, True),
             (4864, True, f16, 2, True),
         ):
-            stage_row(row)
-            w4a16_mma.launch_w4a16_mma(
-                torch.zeros(1, 2 * k, dtype=dtype),
-                torch.zeros(k // 8, 4096, dtype=torch.int32),
-                torch.zeros(k // 128, 4096, dtype=dtype),
-                torch.zeros(k // 128, 4096, dtype=torch.uint8) if zeros else None,
-                torch.zeros(k, dtype=torch.int32) if zeros else None,
-                torch.zeros(1, 4096, dtype=dtype),
-                torch.zeros(split_k, 1, 4096),
-                w4a16.new_split_k_locks(torch.device("cpu")),
-                group_size=128,
-                launch=W4a16Launch(8, 128, 128, split_k, 4, 1, MMA),
-                pdl=False,
-                silu_mul=True,
-            )
+            launch_mma_zeros(1, 4096, k, 128, dtype, zeros, zeros, 128, split_k, row=row,
+                             x_cols=2 * k, silu_mul=True)  # fmt: skip
     stage_row(False)
-    launches += got + rotary + silu
+    launches += got
     with recording(w4a16_wgmma, "_w4a16_wgmma_kernel") as got:
         # The wgmma form (`w4a16` takes it for 65-512 rows on sm_90): W1-int4's gate|up and
         # q|k|v at 256 rows, zero points in float16 with steps of 32, one group per channel.
